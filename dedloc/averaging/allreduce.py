@@ -1,0 +1,333 @@
+"""Partitioned all-reduce (reduce-scatter, then all-gather) with failover of parts.
+
+Member ``j`` with share > 0 aggregates part ``j`` of the vector (boundaries from the shares).
+Every member opens one stream per other aggregator, sends its part-``j`` contribution and
+reads back the averaged part on the same stream, so client-mode peers (which accept no
+connections) take full part. See docs/averaging.md for the protocol and its failure semantics.
+
+Guarantees:
+- the result is the sample-weighted mean over the contributions that arrived, renormalised;
+  each part is computed by exactly one peer and copied to all, so all members hold identical values;
+- a sender that dies or stalls is excluded at the reduce deadline; a bad contribution (size,
+  dtype, weight, NaN/inf) is rejected with a logged reason naming the peer;
+- an aggregator that dies is replaced by the next aggregator (its backup), which serves the
+  aggregator's result if it got it (the aggregator sends to its backup first and waits for an
+  ACK before anyone else) and otherwise re-reduces the part from re-sent contributions;
+- if a part cannot be obtained, ``run()`` raises AveragingError before the round deadline and
+  the caller's tensor is untouched (results go to a separate output buffer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+import torch
+
+from dedloc.averaging.accumulator import PartAccumulator
+from dedloc.averaging.group import Group
+from dedloc.averaging.wire import (Header, Kind, ProtocolError, read_error_text, read_header, read_payload_into,
+                                   write_error, write_frame)
+from dedloc.errors import AveragingError
+
+logger = logging.getLogger(__name__)
+
+OpenStream = Callable[[str], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+
+class RoundStats:
+    def __init__(self) -> None:
+        self.failovers = 0
+        self.excluded: dict[str, str] = {}
+        self.part_weights: dict[int, float] = {}
+
+
+class _Failover:
+    def __init__(self, acc: PartAccumulator):
+        self.acc = acc
+        self.ready = asyncio.Event()
+        self.error: str | None = None
+
+
+class PartitionedRound:
+    """One member's side of one partitioned all-reduce round."""
+
+    def __init__(self, group: Group, me: int, local: torch.Tensor, weight: float, open_stream: OpenStream,
+                 timeout: float, compression: str = "none", chunk_bytes: int = 4 << 20):
+        self.group, self.me, self.local, self.weight = group, me, local, weight
+        self.open_stream, self.chunk_bytes = open_stream, chunk_bytes
+        self.wire_dtype = torch.float16 if compression == "float16" else torch.float32
+        self.bounds = group.part_bounds(local.numel())
+        self.output = torch.empty_like(local)
+        self.stats = RoundStats()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self.reduce_deadline = start + 0.4 * timeout
+        self.result_deadline = start + 0.6 * timeout
+        self.failover_deadline = start + 0.85 * timeout
+        self.deadline = start + timeout
+        self.aggregators = group.aggregators
+        self.senders = {i for i, m in enumerate(group.members) if m.weight > 0}
+        self._have = {j: loop.create_future() for j in self.aggregators}
+        self._failovers: dict[int, _Failover] = {}
+        self._failover_tasks: list[asyncio.Task] = []
+        if me in self.aggregators:
+            s, e = self.bounds[me]
+            self.acc = PartAccumulator(self.senders, e - s)
+        self._own_ready = asyncio.Event()
+        self._own_error: str | None = None
+        self._backup_connected = False
+        self._backup_ok: asyncio.Future = loop.create_future()
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _name(self, i: int) -> str:
+        return self.group.members[i].peer_id
+
+    def _prefix(self) -> str:
+        return f"step {self.group.step}"
+
+    def _to_wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.dtype == self.wire_dtype else t.to(self.wire_dtype)
+
+    def _rounded(self, t: torch.Tensor) -> torch.Tensor:
+        """Round as the wire will, so the aggregator keeps exactly what others receive."""
+        return t if self.wire_dtype == torch.float32 else t.to(self.wire_dtype).float()
+
+    def _contribution(self, part: int) -> torch.Tensor | None:
+        if self.weight <= 0:
+            return None
+        s, e = self.bounds[part]
+        return self._to_wire(self.local[s:e])
+
+    async def _read_part(self, reader: asyncio.StreamReader, header: Header, part: int) -> torch.Tensor:
+        s, e = self.bounds[part]
+        buf = torch.empty(e - s, dtype=self.wire_dtype)
+        await read_payload_into(reader, header, buf, self.chunk_bytes)
+        data = buf if buf.dtype == torch.float32 else buf.float()
+        if not bool(torch.isfinite(data).all()):
+            raise ProtocolError("contains NaN or inf values")
+        return data
+
+    async def _read_result(self, reader: asyncio.StreamReader, part: int, who: int) -> None:
+        header = await read_header(reader)
+        if header.kind == Kind.ERROR:
+            raise AveragingError(f"peer {self._name(who)} answered: {await read_error_text(reader, header)}")
+        if header.kind != Kind.RESULT or header.part != part:
+            raise ProtocolError(f"expected RESULT for part {part}, got {header.kind.name} for part {header.part}")
+        data = await self._read_part(reader, header, part)
+        s, e = self.bounds[part]
+        self.output[s:e] = data
+        self.stats.part_weights[part] = header.weight
+
+    # ---- member side ---------------------------------------------------------------------------
+    async def run(self) -> torch.Tensor:
+        """Average; returns the output buffer. Raises AveragingError on failure, before the deadline."""
+        tasks = [asyncio.create_task(self._exchange(j)) for j in self.aggregators if j != self.me]
+        if self.me in self.aggregators:
+            tasks.append(asyncio.create_task(self._aggregate_own_part()))
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+        except TimeoutError:
+            raise AveragingError(f"{self._prefix()}: round did not finish before its deadline") from None
+        finally:
+            for t in tasks:
+                t.cancel()
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise AveragingError(f"{self._prefix()}: {len(errors)} part(s) could not be averaged: {errors[0]}")
+        return self.output
+
+    async def _exchange(self, j: int) -> None:
+        reason = ""
+        try:
+            async with asyncio.timeout_at(self.result_deadline):
+                reader, writer = await self.open_stream(self._name(j))
+                try:
+                    await write_frame(writer, Kind.CONTRIB, self.group.round_id, j, self.weight,
+                                      self._contribution(j), self.chunk_bytes)
+                    await self._read_result(reader, j, j)
+                    self._have[j].set_result(True)
+                    if self.group.backup(j) == self.me:
+                        await write_frame(writer, Kind.ACK, self.group.round_id, j)
+                    return
+                finally:
+                    writer.close()
+        except TimeoutError:
+            reason = "no result before the deadline"
+        except Exception as e:
+            reason = f"{type(e).__name__}: {e}"
+        if self._have[j].done():  # got the result; only the ACK failed
+            return
+        self._have[j].set_result(False)
+        await self._failover(j, reason)
+
+    async def _failover(self, j: int, reason: str) -> None:
+        b = self.group.backup(j)
+        logger.warning(f"{self._prefix()}: aggregator {self._name(j)} failed for part {j} ({reason}); "
+                       + (f"failing over to {self._name(b)}" if b is not None else "no backup"))
+        if b is None:
+            raise AveragingError(f"aggregator {self._name(j)} failed ({reason}) and part {j} has no backup")
+        self.stats.failovers += 1
+        if b == self.me:
+            state = self._failover_state(j)
+            await state.ready.wait()
+            if state.error:
+                raise AveragingError(f"failover of part {j} failed: {state.error}")
+            return
+        async with asyncio.timeout_at(self.deadline):
+            reader, writer = await self.open_stream(self._name(b))
+            try:
+                await write_frame(writer, Kind.FAILOVER, self.group.round_id, j, self.weight,
+                                  self._contribution(j), self.chunk_bytes)
+                await self._read_result(reader, j, b)
+            finally:
+                writer.close()
+
+    # ---- aggregator side ---------------------------------------------------------------------
+    async def _aggregate_own_part(self) -> None:
+        s, e = self.bounds[self.me]
+        try:
+            if self.weight > 0:
+                self.acc.add(self.me, self.weight, self.local[s:e])
+            await self.acc.wait(self.reduce_deadline)
+            mean = self.acc.finish()
+            self.output[s:e] = self._rounded(mean)
+            self.stats.part_weights[self.me] = self.acc.total_weight
+            for k, why in self.acc.rejected.items():
+                self.stats.excluded[self._name(k)] = why
+            self._have[self.me].set_result(True)
+        except Exception as e:
+            self._own_error = str(e)
+            self._have[self.me].set_result(False)
+            raise
+        finally:
+            self._own_ready.set()
+            if not self._backup_connected and not self._backup_ok.done():
+                self._backup_ok.set_result(True)  # backup never showed up: it cannot hold a stale copy
+
+    async def _receive(self, k: int, header: Header, reader: asyncio.StreamReader, part: int,
+                       acc: PartAccumulator) -> None:
+        member = self.group.members[k]
+        try:
+            if header.part != part:
+                raise ProtocolError(f"sent part {header.part}, expected part {part}")
+            if header.numel == 0:
+                if member.weight > 0:
+                    raise ProtocolError("sent no data despite a positive weight")
+                return
+            if abs(header.weight - member.weight) > 1e-6 * max(1.0, member.weight):
+                raise ProtocolError(f"weight {header.weight} differs from the agreed {member.weight}")
+            acc.add(k, member.weight, await self._read_part(reader, header, part))
+        except ProtocolError as e:
+            logger.warning(f"{self._prefix()}: rejected contribution of peer {member.peer_id} to part {part}: {e}")
+            acc.reject(k, str(e))
+            self.stats.excluded[member.peer_id] = str(e)
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            logger.info(f"{self._prefix()}: peer {member.peer_id} left while sending part {part}")
+            acc.reject(k, f"disconnected: {e}")
+            raise ConnectionError("sender left") from None
+
+    async def _send_result(self, writer: asyncio.StreamWriter, part: int, weight: float) -> None:
+        s, e = self.bounds[part]
+        await write_frame(writer, Kind.RESULT, self.group.round_id, part, weight,
+                          self._to_wire(self.output[s:e]), self.chunk_bytes)
+
+    async def handle(self, peer_id: str, header: Header, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
+        """Serve one incoming stream of this round (its first header already read)."""
+        k = self.group.index(peer_id)
+        if k is None:
+            logger.warning(f"{self._prefix()}: peer {peer_id} is not a member of this round; refused")
+            await write_error(writer, self.group.round_id, "not a member of this round")
+            return
+        if header.kind == Kind.CONTRIB and self.me in self.aggregators:
+            await self._serve_contribution(k, header, reader, writer)
+        elif header.kind == Kind.FAILOVER and self.group.backup(header.part) == self.me:
+            await self._serve_failover(k, header, reader, writer)
+        else:
+            logger.warning(f"{self._prefix()}: unexpected {header.kind.name} for part {header.part} from {peer_id}")
+            await write_error(writer, self.group.round_id, f"unexpected {header.kind.name} for part {header.part}")
+
+    async def _serve_contribution(self, k: int, header: Header, reader: asyncio.StreamReader,
+                                  writer: asyncio.StreamWriter) -> None:
+        is_backup = self.group.backup(self.me) == k
+        if is_backup:
+            self._backup_connected = True
+        try:
+            await self._receive(k, header, reader, self.me, self.acc)
+        except ConnectionError:
+            if is_backup and not self._backup_ok.done():
+                self._backup_ok.set_result(False)
+            return
+        try:
+            async with asyncio.timeout_at(self.result_deadline):
+                await self._own_ready.wait()
+                if self._own_error:
+                    await write_error(writer, self.group.round_id, self._own_error)
+                    return
+                if is_backup:
+                    await self._send_result(writer, self.me, self.acc.total_weight)
+                    ack = await read_header(reader)
+                    if not self._backup_ok.done():
+                        self._backup_ok.set_result(ack.kind == Kind.ACK)
+                    return
+                if not await asyncio.shield(self._backup_ok):
+                    await write_error(writer, self.group.round_id, "backup did not confirm the result; fail over")
+                    return
+                await self._send_result(writer, self.me, self.acc.total_weight)
+        except Exception as e:
+            if is_backup and not self._backup_ok.done():
+                self._backup_ok.set_result(False)
+            logger.debug(f"{self._prefix()}: could not deliver part {self.me} to {self._name(k)}: {e!r}")
+
+    # ---- backup side -------------------------------------------------------------------------
+    def _failover_state(self, j: int) -> _Failover:
+        if j not in self._failovers:
+            s, e = self.bounds[j]
+            state = _Failover(PartAccumulator(self.senders - {j}, e - s))
+            self._failovers[j] = state
+            self._failover_tasks.append(asyncio.create_task(self._run_failover(j, state)))
+        return self._failovers[j]
+
+    async def _run_failover(self, j: int, state: _Failover) -> None:
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                if await self._have[j]:
+                    return  # we hold the failed aggregator's result: serve that copy
+                s, e = self.bounds[j]
+                if self.weight > 0:
+                    state.acc.add(self.me, self.weight, self.local[s:e])
+                await state.acc.wait(self.failover_deadline)
+                mean = state.acc.finish()
+                self.output[s:e] = self._rounded(mean)
+                self.stats.part_weights[j] = state.acc.total_weight
+                logger.info(f"{self._prefix()}: re-reduced part {j} of failed aggregator {self._name(j)} "
+                            f"from {len(state.acc.contributors)} contributions")
+        except Exception as e:
+            state.error = f"{type(e).__name__}: {e}"
+        finally:
+            state.ready.set()
+
+    async def _serve_failover(self, k: int, header: Header, reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter) -> None:
+        j = header.part
+        state = self._failover_state(j)
+        try:
+            await self._receive(k, header, reader, j, state.acc)
+        except ConnectionError:
+            return
+        await state.ready.wait()
+        if state.error:
+            await write_error(writer, self.group.round_id, state.error)
+        else:
+            await self._send_result(writer, j, self.stats.part_weights.get(j, 0.0))
+
+    def close(self) -> None:
+        for t in self._failover_tasks:
+            t.cancel()
+
+
+__all__ = ["PartitionedRound", "RoundStats", "time"]

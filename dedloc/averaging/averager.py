@@ -1,0 +1,217 @@
+"""The averaging service of one peer: matchmaking, then the round, for each requested step.
+
+Runs inside the runtime process. ``average()`` is the one entry point; incoming streams are
+dispatched to the round they name. Guarantees (beyond those of the rounds):
+- the caller's tensor is overwritten only when the whole round succeeded;
+- every call returns or raises within matchmaking (about 2x matchmaking_time) plus the
+  averaging timeout;
+- a stream naming an unknown round, or with a malformed header, is answered with an ERROR
+  frame and a logged reason naming the peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Protocol
+
+import torch
+from hivemind.p2p import PeerID
+
+from dedloc.averaging.allreduce import PartitionedRound
+from dedloc.averaging.group import Group, sub_round_id
+from dedloc.averaging.matchmaking import Matchmaker
+from dedloc.averaging.ring import RingRound
+from dedloc.averaging.wire import Header, Kind, read_header, read_payload_into, write_error, write_frame
+from dedloc.config import AveragingConfig
+from dedloc.errors import AveragingError, ProtocolError
+from dedloc.net.node import Node
+
+logger = logging.getLogger(__name__)
+ROUND_GRACE = 30.0
+
+
+class _Round(Protocol):
+    async def handle(self, peer_id: str, header: Header, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None: ...
+
+
+class _Broadcast:
+    """A subgroup representative's final result, fetched by the subgroup's members."""
+
+    def __init__(self, members: set[str]):
+        self.members = members
+        self.result: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.chunk_bytes = 4 << 20
+
+    async def handle(self, peer_id: str, header: Header, reader, writer) -> None:
+        if peer_id not in self.members or header.kind != Kind.FETCH:
+            await write_error(writer, header.round_id, "not a member of this subgroup")
+            return
+        try:
+            result, weight = await asyncio.shield(self.result)
+        except Exception as e:
+            await write_error(writer, header.round_id, f"top-level reduce failed: {e}")
+            return
+        await write_frame(writer, Kind.RESULT, header.round_id, 0, weight, result, self.chunk_bytes)
+
+
+class Averager:
+    """One peer's averaging: call ``average`` once per step with that step's tensor."""
+
+    def __init__(self, node: Node, config: AveragingConfig):
+        self.node, self.config = node, config.validate()
+        share = config.share if config.share is not None else (0.0 if node.config.client_mode else 1.0)
+        self.matchmaker = Matchmaker(node, config, share)
+        self.me = node.peer_id.to_base58()
+        self.proto = f"dedloc.{node.config.run_id}.allreduce"
+        self._rounds: dict[bytes, _Round] = {}
+        self._arrivals: dict[bytes, asyncio.Event] = {}
+
+    async def start(self) -> None:
+        await self.matchmaker.start()
+        if not self.node.config.client_mode:
+            await self.node.p2p.add_binary_stream_handler(self.proto, self._on_stream)
+
+    # ---- round registry -------------------------------------------------------------------------
+    def _register(self, round_id: bytes, rnd: _Round, lifetime: float) -> None:
+        self._rounds[round_id] = rnd
+        self._arrivals.pop(round_id, asyncio.Event()).set()
+        asyncio.get_running_loop().call_later(lifetime, self._rounds.pop, round_id, None)
+
+    async def _lookup(self, round_id: bytes, wait: float) -> _Round | None:
+        if round_id not in self._rounds:
+            event = self._arrivals.setdefault(round_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), wait)
+            except asyncio.TimeoutError:
+                self._arrivals.pop(round_id, None)
+        return self._rounds.get(round_id)
+
+    async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = info.peer_id.to_base58()
+        try:
+            header = await asyncio.wait_for(read_header(reader), 30)
+            rnd = await self._lookup(header.round_id, 2 * self.config.matchmaking_time)
+            if rnd is None:
+                logger.warning(f"peer {peer} sent a {header.kind.name} for an unknown round; refused")
+                await write_error(writer, header.round_id, "unknown round (missed or expired)")
+                return
+            await rnd.handle(peer, header, reader, writer)
+        except ProtocolError as e:
+            logger.warning(f"rejected stream from peer {peer}: {e}")
+            try:
+                await write_error(writer, bytes(16), str(e))
+            except Exception:
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+            logger.debug(f"stream from {peer} ended: {e!r}")
+        except Exception:
+            logger.exception(f"failed to serve a stream from {peer}")
+        finally:
+            writer.close()
+
+    async def _open(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        _, reader, writer = await self.node.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), self.proto)
+        return reader, writer
+
+    # ---- the entry point ----------------------------------------------------------------------------
+    async def average(self, tensor: torch.Tensor, step: int, weight: float, expected_peers: int | None = None,
+                      timeout: float | None = None) -> dict[str, Any]:
+        """Average ``tensor`` (flat, float32, CPU) in place with this step's group.
+
+        Returns stats: group size, members, weights, excluded peers, failovers and timings.
+        Raises MissedRoundError / MatchmakingError / AveragingError; the tensor is then untouched.
+        """
+        if tensor.dtype != torch.float32 or tensor.dim() != 1 or tensor.device.type != "cpu":
+            raise AveragingError(f"expected a flat float32 CPU tensor, got {tensor.dtype} {tuple(tensor.shape)} "
+                                 f"on {tensor.device}")
+        if not (weight >= 0 and weight != float("inf")):
+            raise AveragingError(f"weight must be finite and >= 0, got {weight}")
+        if weight > 0 and not bool(torch.isfinite(tensor).all()):
+            raise AveragingError(f"step {step}: local tensor has NaN or inf values; refusing to send it")
+        timeout = timeout or self.config.averaging_timeout
+        t0 = time.perf_counter()
+        group = await self.matchmaker.form_group(step, weight, expected_peers)
+        t1 = time.perf_counter()
+        me = group.index(self.me)
+        stats: dict[str, Any] = {"step": step, "group_size": len(group.members),
+                                 "peers": [m.peer_id for m in group.members], "failovers": 0, "excluded": {}}
+        if len(group.members) == 1:
+            output, total = tensor.clone(), weight
+        elif self.config.strategy == "ring":
+            rnd = RingRound(group, me, tensor, weight, self._open, timeout, self.config.chunk_bytes)
+            self._register(group.round_id, rnd, timeout + ROUND_GRACE)
+            output, total = await rnd.run(), group.total_weight
+        elif group.subgroups:
+            output, total = await self._hierarchical(group, me, tensor, weight, timeout, stats)
+        else:
+            output, total = await self._partitioned(group, me, tensor, weight, timeout, stats)
+        tensor.copy_(output)
+        stats.update(total_weight=total, matchmaking_s=t1 - t0, allreduce_s=time.perf_counter() - t1)
+        logger.info(f"step {step} averaged with {len(group.members)} peers in {time.perf_counter() - t0:.2f} s"
+                    + (f" ({stats['failovers']} failovers, excluded {sorted(stats['excluded'])})"
+                       if stats["failovers"] or stats["excluded"] else ""))
+        return stats
+
+    async def _partitioned(self, group: Group, me: int, local: torch.Tensor, weight: float, timeout: float,
+                           stats: dict[str, Any]) -> tuple[torch.Tensor, float]:
+        rnd = PartitionedRound(group, me, local, weight, self._open, timeout, self.config.compression,
+                               self.config.chunk_bytes)
+        self._register(group.round_id, rnd, timeout + ROUND_GRACE)
+        try:
+            output = await rnd.run()
+        finally:
+            stats["failovers"] += rnd.stats.failovers
+            stats["excluded"].update(rnd.stats.excluded)
+        weights = rnd.stats.part_weights
+        total = min(weights.values()) if weights else weight
+        return output, total
+
+    async def _hierarchical(self, group: Group, me: int, local: torch.Tensor, weight: float, timeout: float,
+                            stats: dict[str, Any]) -> tuple[torch.Tensor, float]:
+        """Reduce within subgroups, then among their representatives, then fetch from the representative."""
+        k = group.subgroup_of(me)
+        sub = group.subgroup(k)
+        rep = group.representative(k)
+        final_id = sub_round_id(group.round_id, f"final{k}")
+        broadcast = None
+        if me == rep:
+            broadcast = _Broadcast({group.members[i].peer_id for i in group.subgroups[k]} - {self.me})
+            self._register(final_id, broadcast, timeout + ROUND_GRACE)
+        try:
+            sub_out, _ = await self._partitioned(sub, sub.index(self.me), local, weight, timeout / 3, stats)
+            if me != rep:
+                return await self._fetch(group, rep, final_id, local.numel(), timeout / 3)
+            declared = {group.representative(j): sum(group.members[i].weight for i in group.subgroups[j])
+                        for j in range(len(group.subgroups))}
+            top = group.top_group(declared)
+            out, total = await self._partitioned(top, top.index(self.me), sub_out, declared[rep], timeout / 3, stats)
+            broadcast.result.set_result((out, total))
+            return out, total
+        except BaseException as e:
+            if broadcast is not None and not broadcast.result.done():
+                broadcast.result.set_exception(AveragingError(str(e)))
+                broadcast.result.exception()  # mark retrieved
+            raise
+
+    async def _fetch(self, group: Group, rep: int, final_id: bytes, numel: int, timeout: float
+                     ) -> tuple[torch.Tensor, float]:
+        peer = group.members[rep].peer_id
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await self._open(peer)
+                try:
+                    await write_frame(writer, Kind.FETCH, final_id)
+                    header = await read_header(reader)
+                    if header.kind != Kind.RESULT:
+                        raise ProtocolError(f"representative {peer} answered {header.kind.name}")
+                    out = torch.empty(numel, dtype=torch.float32)
+                    await read_payload_into(reader, header, out, self.config.chunk_bytes)
+                    return out, header.weight
+                finally:
+                    writer.close()
+        except Exception as e:
+            raise AveragingError(f"step {group.step}: could not fetch the result from representative {peer}: "
+                                 f"{type(e).__name__}: {e}") from None

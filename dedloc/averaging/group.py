@@ -1,0 +1,158 @@
+"""Who averages together in one round, and how the vector is split among them.
+
+A :class:`Group` is what matchmaking agrees on and every member holds an identical copy of:
+the members (sorted by peer id), their sample weights and aggregation shares, and, when the
+collaboration is larger than the maximum group size, the split into subgroups for a
+two-level (hierarchical) reduce. Everything a member derives from it (part boundaries,
+backup aggregators, sub-round ids) is a pure function of the group, so all members agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from dedloc.errors import ProtocolError
+
+
+@dataclass(frozen=True)
+class Member:
+    peer_id: str
+    """Base58 libp2p peer id."""
+    weight: float
+    """Samples behind this member's contribution; 0 for an aggregator-only peer."""
+    share: float
+    """Relative share of the vector this member aggregates; 0 for client-mode peers."""
+    client: bool = False
+
+
+def sub_round_id(round_id: bytes, tag: str) -> bytes:
+    return hashlib.blake2b(round_id + tag.encode(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class Group:
+    round_id: bytes
+    step: int
+    members: tuple[Member, ...]
+    subgroups: tuple[tuple[int, ...], ...] = ()
+    """Member indices of each subgroup; empty for a flat (single-level) group."""
+
+    def __post_init__(self) -> None:
+        ids = [m.peer_id for m in self.members]
+        if ids != sorted(ids) or len(set(ids)) != len(ids):
+            raise ProtocolError("group members must be unique and sorted by peer id")
+        if len(self.round_id) != 16:
+            raise ProtocolError("round id must be 16 bytes")
+
+    # ---- roles -------------------------------------------------------------------------------
+    def index(self, peer_id: str) -> int | None:
+        for i, m in enumerate(self.members):
+            if m.peer_id == peer_id:
+                return i
+        return None
+
+    @property
+    def aggregators(self) -> list[int]:
+        return [i for i, m in enumerate(self.members) if m.share > 0 and not m.client]
+
+    @property
+    def total_weight(self) -> float:
+        return sum(m.weight for m in self.members)
+
+    def backup(self, part: int) -> int | None:
+        """The aggregator that re-reduces ``part`` if its aggregator fails: the next one in order."""
+        aggs = self.aggregators
+        if len(aggs) < 2 or part not in aggs:
+            return None
+        return aggs[(aggs.index(part) + 1) % len(aggs)]
+
+    def part_bounds(self, numel: int) -> list[tuple[int, int]]:
+        """[start, end) of each member's part; proportional to shares, empty for share 0."""
+        shares = [m.share if (m.share > 0 and not m.client) else 0.0 for m in self.members]
+        total = sum(shares)
+        if total <= 0:
+            raise ProtocolError("group has no aggregator (all shares are 0)")
+        bounds, acc, start = [], 0.0, 0
+        for s in shares:
+            acc += s
+            end = max(start, min(numel, int(round(numel * acc / total))))
+            bounds.append((start, end))
+            start = end
+        last = max(i for i, s in enumerate(shares) if s > 0)
+        bounds[last] = (bounds[last][0], numel)
+        return bounds
+
+    # ---- hierarchy ---------------------------------------------------------------------------
+    def subgroup_of(self, index: int) -> int:
+        for k, sub in enumerate(self.subgroups):
+            if index in sub:
+                return k
+        raise ValueError(f"member {index} is in no subgroup")
+
+    def subgroup(self, k: int) -> "Group":
+        members = tuple(self.members[i] for i in self.subgroups[k])
+        return Group(sub_round_id(self.round_id, f"sub{k}"), self.step, members)
+
+    def representative(self, k: int) -> int:
+        """The member of subgroup k that joins the top-level reduce: its largest-share aggregator."""
+        sub = self.subgroups[k]
+        return max((i for i in sub if self.members[i].share > 0 and not self.members[i].client),
+                   key=lambda i: (self.members[i].share, self.members[i].peer_id))
+
+    def top_group(self, weights: dict[int, float]) -> "Group":
+        reps = sorted((self.representative(k) for k in range(len(self.subgroups))),
+                      key=lambda i: self.members[i].peer_id)
+        members = tuple(replace(self.members[i], weight=weights.get(i, 0.0)) for i in reps)
+        return Group(sub_round_id(self.round_id, "top"), self.step, members)
+
+    # ---- wire ----------------------------------------------------------------------------------
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "round_id": self.round_id,
+            "step": self.step,
+            "members": [[m.peer_id, m.weight, m.share, m.client] for m in self.members],
+            "subgroups": [list(s) for s in self.subgroups],
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> "Group":
+        try:
+            members = tuple(Member(str(p), float(w), float(s), bool(c)) for p, w, s, c in obj["members"])
+            subgroups = tuple(tuple(int(i) for i in s) for s in obj["subgroups"])
+            group = cls(bytes(obj["round_id"]), int(obj["step"]), members, subgroups)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"malformed group description: {e}") from None
+        if any(not (m.weight >= 0 and math.isfinite(m.weight)) or not (m.share >= 0 and math.isfinite(m.share))
+               for m in members):
+            raise ProtocolError("group has a negative or non-finite weight or share")
+        if subgroups:
+            flat = sorted(i for s in subgroups for i in s)
+            if flat != list(range(len(members))):
+                raise ProtocolError("subgroups must cover every member exactly once")
+        return group
+
+
+def split_into_subgroups(members: tuple[Member, ...], max_size: int) -> tuple[tuple[int, ...], ...]:
+    """Split sorted members into near-equal subgroups of at most ``max_size``, each with an aggregator.
+
+    Aggregators are dealt round-robin first so every subgroup can reduce on its own; then the
+    rest fill up the smallest subgroups. Returns () when one group suffices.
+    """
+    n = len(members)
+    if n <= max_size:
+        return ()
+    count = math.ceil(n / max_size)
+    aggs = [i for i, m in enumerate(members) if m.share > 0 and not m.client]
+    if len(aggs) < count:
+        count = max(1, len(aggs))
+    subs: list[list[int]] = [[] for _ in range(count)]
+    for k, i in enumerate(aggs[:count]):
+        subs[k].append(i)
+    for i in range(n):
+        if i in aggs[:count]:
+            continue
+        min(subs, key=len).append(i)
+    return tuple(tuple(sorted(s)) for s in subs)

@@ -1,0 +1,229 @@
+"""Matchmaking: peers ready for step ``s`` agree on one member list within a deadline.
+
+Protocol (docs/averaging.md has the reasoning):
+1. A ready peer stores ``{run}.ready.{s}[peer_id] = {w, s, c}`` in the DHT (weight, share, client).
+2. It waits until the expected number of peers are ready, or ``matchmaking_time`` passes.
+3. The leader is the smallest peer id among the ready, reachable (non-client) peers. Others send
+   it a ``join`` request over a stream; the leader answers all of them with the same Group when
+   it closes the round, and publishes ``{run}.closed.{s}[leader]`` with the member list.
+4. A leader that later sees a smaller reachable peer steps down and redirects its joiners.
+   A peer that asks a closed leader, or finds a closed group without itself, gets
+   :class:`MissedRoundError` and joins the next step.
+
+Guarantees: a peer is in at most one group per step (it sends at most one join whose outcome
+is unknown, and a leader's group is final once sent); every call returns or raises within
+about ``2 * matchmaking_time`` plus RPC deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from hivemind.p2p import PeerID
+
+from dedloc.averaging.group import Group, Member, split_into_subgroups
+from dedloc.averaging.wire import VERSION
+from dedloc.config import AveragingConfig
+from dedloc.errors import MatchmakingError, MissedRoundError, ProtocolError
+from dedloc.net import rpc
+from dedloc.net.node import Node
+
+logger = logging.getLogger(__name__)
+POLL = 0.05
+KEEP_STEPS = 64
+
+
+@dataclass
+class _Lead:
+    members: dict[str, Member]
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    group: Group | None = None
+    redirect: str | None = None
+
+
+def _parse_entry(peer_id: str, value: Any) -> Member | None:
+    try:
+        w, s, c = float(value["w"]), float(value["s"]), bool(value["c"])
+    except (KeyError, TypeError, ValueError):
+        logger.debug(f"ignoring malformed ready record of {peer_id}")
+        return None
+    if not (math.isfinite(w) and math.isfinite(s) and w >= 0 and s >= 0):
+        return None
+    return Member(peer_id, w, 0.0 if c else s, c)
+
+
+class Matchmaker:
+    """Forms the group of each step for one peer. Lives in the runtime process."""
+
+    def __init__(self, node: Node, config: AveragingConfig, share: float):
+        self.node, self.config, self.share = node, config, share
+        self.me = node.peer_id.to_base58()
+        self.client = node.config.client_mode
+        self.proto = f"dedloc.{node.config.run_id}.join"
+        self._lead: dict[int, _Lead] = {}
+        self._follow: dict[int, str] = {}
+        self._decided: dict[int, asyncio.Event] = {}
+
+    async def start(self) -> None:
+        if not self.client:
+            await rpc.serve(self.node.p2p, self.proto, self._on_join)
+
+    def _decision(self, step: int) -> asyncio.Event:
+        if step not in self._decided:
+            self._decided[step] = asyncio.Event()
+            for old in sorted(self._decided)[:-KEEP_STEPS]:
+                self._decided.pop(old, None)
+                self._lead.pop(old, None)
+                self._follow.pop(old, None)
+        return self._decided[step]
+
+    # ---- DHT views -----------------------------------------------------------------------------
+    async def _ready(self, step: int, me: Member) -> dict[str, Member]:
+        entries = await self.node.get(self.node.key("ready", step))
+        ready = {p: m for p, (v, _) in entries.items() if (m := _parse_entry(p, v)) is not None}
+        ready[self.me] = me
+        return ready
+
+    async def _closed_without_me(self, step: int) -> str | None:
+        for leader, (value, _) in (await self.node.get(self.node.key("closed", step))).items():
+            if isinstance(value, list) and self.me not in value:
+                return leader
+        return None
+
+    # ---- entry point -----------------------------------------------------------------------------
+    async def form_group(self, step: int, weight: float, expected_peers: int | None = None) -> Group:
+        """Agree on this step's group; raises MissedRoundError or MatchmakingError."""
+        loop = asyncio.get_running_loop()
+        t = self.config.matchmaking_time
+        gather_deadline = loop.time() + t
+        me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client)
+        await self.node.store(self.node.key("ready", step), self.me, {"w": me.weight, "s": me.share, "c": me.client},
+                              ttl=3 * t + self.config.averaging_timeout)
+        while True:
+            ready = await self._ready(step, me)
+            if (expected_peers and len(ready) >= expected_peers) or loop.time() >= gather_deadline:
+                break
+            await asyncio.sleep(POLL)
+        closed_by = await self._closed_without_me(step)
+        if closed_by:
+            self._decision(step).set()
+            raise MissedRoundError(f"step {step}: the round led by {closed_by} closed without this peer; "
+                                   f"join the next step")
+        candidates = sorted(p for p, m in ready.items() if not m.client)
+        if not candidates:
+            raise MatchmakingError(f"step {step}: no reachable (non-client) peer is ready to aggregate")
+        if candidates[0] == self.me:
+            return await self._run_lead(step, me, expected_peers, loop.time() + t)
+        return await self._run_follow(step, me, candidates, loop.time() + 2 * t)
+
+    # ---- leader ----------------------------------------------------------------------------------
+    async def _run_lead(self, step: int, me: Member, expected: int | None, close_deadline: float) -> Group:
+        loop = asyncio.get_running_loop()
+        state = _Lead({self.me: me})
+        self._lead[step] = state
+        self._decision(step).set()
+        while loop.time() < close_deadline:
+            ready = await self._ready(step, me)
+            smaller = sorted(p for p, m in ready.items() if not m.client and p < self.me)
+            if smaller:
+                state.redirect = smaller[0]
+                state.done.set()
+                logger.info(f"step {step}: stepping down as leader for {smaller[0]}")
+                return await self._run_follow(step, me, smaller, loop.time() + 2 * self.config.matchmaking_time)
+            if set(ready) <= set(state.members) and (not expected or len(state.members) >= expected):
+                break
+            await asyncio.sleep(POLL)
+        members = tuple(sorted(state.members.values(), key=lambda m: m.peer_id))
+        group = Group(os.urandom(16), step, members, split_into_subgroups(members, self.config.max_group_size))
+        state.group = group
+        await self.node.store(self.node.key("closed", step), self.me, [m.peer_id for m in members],
+                              ttl=3 * self.config.matchmaking_time + self.config.averaging_timeout)
+        state.done.set()
+        logger.debug(f"step {step}: led a group of {len(members)}")
+        return group
+
+    async def _on_join(self, remote: PeerID, request: Any) -> dict[str, Any]:
+        peer = remote.to_base58()
+        try:
+            if not isinstance(request, dict) or request.get("v") != VERSION:
+                theirs = request.get("v") if isinstance(request, dict) else None
+                raise ProtocolError(f"protocol version mismatch: ours is {VERSION}, theirs is {theirs}")
+            step = int(request["step"])
+            member = _parse_entry(peer, request)
+            if member is None or step < 0:
+                raise ProtocolError("malformed join request")
+        except (ProtocolError, KeyError, TypeError, ValueError) as e:
+            logger.warning(f"refused join request from {peer}: {e}")
+            return {"error": str(e)}
+        try:
+            await asyncio.wait_for(self._decision(step).wait(), 2 * self.config.matchmaking_time)
+        except asyncio.TimeoutError:
+            return {"error": f"not matchmaking for step {step}"}
+        if step in self._follow and step not in self._lead:
+            return {"redirect": self._follow[step]}
+        state = self._lead.get(step)
+        if state is None:
+            return {"missed": True}
+        if state.done.is_set():
+            if state.redirect:
+                return {"redirect": state.redirect}
+            if state.group is not None and state.group.index(peer) is not None:
+                return {"group": state.group.to_wire()}
+            return {"missed": True}
+        state.members[peer] = member
+        await state.done.wait()
+        if state.redirect:
+            return {"redirect": state.redirect}
+        return {"group": state.group.to_wire()} if state.group else {"missed": True}
+
+    # ---- follower --------------------------------------------------------------------------------
+    async def _run_follow(self, step: int, me: Member, candidates: list[str], deadline: float) -> Group:
+        loop = asyncio.get_running_loop()
+        self._decision(step).set()
+        request = {"v": VERSION, "step": step, "w": me.weight, "s": me.share, "c": me.client}
+        tried: set[str] = set()
+        leader = candidates[0]
+        for _ in range(8):
+            self._follow[step] = leader
+            tried.add(leader)
+            try:
+                _, reader, writer = await asyncio.wait_for(
+                    self.node.p2p.call_binary_stream_handler(PeerID.from_base58(leader), self.proto),
+                    max(0.1, deadline - loop.time()))
+            except Exception as e:  # the request was never delivered: safe to try another leader
+                logger.info(f"step {step}: leader {leader} unreachable ({type(e).__name__}); trying the next")
+                rest = [c for c in candidates if c not in tried and c != self.me]
+                if not rest or rest[0] > self.me:
+                    if not self.client:
+                        return await self._run_lead(step, me, None, deadline)
+                    raise MatchmakingError(f"step {step}: no reachable leader among {candidates}") from None
+                leader = rest[0]
+                continue
+            try:
+                await rpc.write_message(writer, request)
+                response = await asyncio.wait_for(rpc.read_message(reader), max(0.1, deadline - loop.time()))
+            except Exception as e:
+                raise MatchmakingError(f"step {step}: leader {leader} did not answer the join request: "
+                                       f"{type(e).__name__}: {e}") from None
+            finally:
+                writer.close()
+            if not isinstance(response, dict):
+                raise MatchmakingError(f"step {step}: leader {leader} sent a malformed answer")
+            if "group" in response:
+                group = Group.from_wire(response["group"])
+                if group.step != step or group.index(self.me) is None:
+                    raise MatchmakingError(f"step {step}: leader {leader} sent a group without this peer")
+                return group
+            if "redirect" in response and isinstance(response["redirect"], str):
+                leader = response["redirect"]
+                continue
+            if response.get("missed"):
+                raise MissedRoundError(f"step {step}: the round led by {leader} was already closed; "
+                                       f"join the next step")
+            raise MatchmakingError(f"step {step}: leader {leader} refused: {response.get('error')}")
+        raise MatchmakingError(f"step {step}: too many redirects while looking for the leader")

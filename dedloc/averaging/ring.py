@@ -1,0 +1,143 @@
+"""Ring all-reduce: the classic bandwidth-optimal baseline (n-1 reduce steps, n-1 gather steps).
+
+Each member sends to its successor and receives from its predecessor; the stream for an edge is
+opened by the sender unless the receiver is in client mode (then the receiver dials in and says
+hello), so client-mode peers take part as long as no two of them are adjacent. Weighted: every
+member sends ``w * x`` and the weight itself as one extra element, and divides at the end.
+Every element's sum is computed by one member and copied around, so results are identical.
+
+Failure semantics: none beyond the deadline. Any failure or timeout raises AveragingError and
+leaves the caller's tensor untouched. This strategy exists to measure against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+
+from dedloc.averaging.allreduce import OpenStream
+from dedloc.averaging.group import Group
+from dedloc.averaging.wire import Header, Kind, read_header, read_payload_into, write_frame
+from dedloc.errors import AveragingError, ProtocolError
+
+logger = logging.getLogger(__name__)
+HELLO = 0xFFFFFFFF
+
+
+def ring_order(group: Group) -> list[int]:
+    """Member indices in ring order, no two client-mode members adjacent; raises if impossible."""
+    reach = [i for i, m in enumerate(group.members) if not m.client]
+    clients = [i for i, m in enumerate(group.members) if m.client]
+    if len(clients) > len(reach):
+        raise AveragingError(f"ring needs at least as many reachable peers as client-mode ones "
+                             f"({len(reach)} < {len(clients)})")
+    order: list[int] = []
+    for k, i in enumerate(reach):
+        order.append(i)
+        if k < len(clients):
+            order.append(clients[k])
+    return order
+
+
+class RingRound:
+    """One member's side of a ring all-reduce."""
+
+    def __init__(self, group: Group, me: int, local: torch.Tensor, weight: float, open_stream: OpenStream,
+                 timeout: float, chunk_bytes: int = 4 << 20):
+        self.group, self.open_stream, self.chunk_bytes = group, open_stream, chunk_bytes
+        self.order = ring_order(group)
+        n = len(self.order)
+        self.pos = self.order.index(me)
+        self.succ = self.order[(self.pos + 1) % n]
+        self.pred = self.order[(self.pos - 1) % n]
+        self.buf = torch.empty(local.numel() + 1, dtype=torch.float32)
+        torch.mul(local, weight, out=self.buf[:-1])
+        self.buf[-1] = weight
+        self.chunks = list(torch.tensor_split(torch.arange(self.buf.numel()), n))
+        self.bounds = [(int(c[0]) if len(c) else 0, int(c[-1]) + 1 if len(c) else 0) for c in self.chunks]
+        self.deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        self._in: asyncio.Future = loop.create_future()  # (reader, first header or None)
+        self._out: asyncio.Future = loop.create_future()  # writer towards the successor
+
+    def _peer(self, i: int) -> str:
+        return self.group.members[i].peer_id
+
+    async def handle(self, peer_id: str, header: Header, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
+        k = self.group.index(peer_id)
+        if header.kind != Kind.RING:
+            raise ProtocolError(f"unexpected {header.kind.name} in a ring round")
+        if k == self.succ and header.part == HELLO and not self._out.done():
+            self._out.set_result(writer)
+        elif k == self.pred and header.part != HELLO and not self._in.done():
+            self._in.set_result((reader, header))
+        else:
+            raise ProtocolError(f"peer {peer_id} is not an expected ring neighbour")
+        await asyncio.wait_for(self._done_event().wait(), max(0.0, self.deadline - asyncio.get_running_loop().time()))
+
+    def _done_event(self) -> asyncio.Event:
+        if not hasattr(self, "_done"):
+            self._done = asyncio.Event()
+        return self._done
+
+    async def run(self) -> torch.Tensor:
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                return await self._run()
+        except TimeoutError:
+            raise AveragingError(f"step {self.group.step}: ring all-reduce timed out") from None
+        except (ConnectionError, asyncio.IncompleteReadError, ProtocolError) as e:
+            raise AveragingError(f"step {self.group.step}: ring all-reduce failed: {type(e).__name__}: {e}") from None
+        finally:
+            self._done_event().set()
+
+    async def _run(self) -> torch.Tensor:
+        rid, n = self.group.round_id, len(self.order)
+        own: list[asyncio.StreamWriter] = []
+        try:
+            if not self.group.members[self.succ].client:
+                _, w = await self.open_stream(self._peer(self.succ))
+                own.append(w)
+                self._out.set_result(w)
+            if self.group.members[self.order[self.pos]].client:
+                _, w = await self._open_in()
+                own.append(w)
+            out = await self._out
+            pending_header = None
+            reader = None
+            for t in range(2 * (n - 1)):
+                reduce = t < n - 1
+                send_c = (self.pos - t) % n if reduce else (self.pos + 1 - (t - n + 1)) % n
+                recv_c = (self.pos - t - 1) % n if reduce else (self.pos - (t - n + 1)) % n
+                s, e = self.bounds[send_c]
+                send = asyncio.create_task(write_frame(out, Kind.RING, rid, t, 0.0, self.buf[s:e], self.chunk_bytes))
+                if reader is None:
+                    reader, pending_header = await self._in
+                header = pending_header or await read_header(reader)
+                pending_header = None
+                if header.kind != Kind.RING or header.part != t:
+                    raise ProtocolError(f"expected ring step {t}, got {header.kind.name} {header.part}")
+                s2, e2 = self.bounds[recv_c]
+                tmp = torch.empty(e2 - s2, dtype=torch.float32)
+                await read_payload_into(reader, header, tmp, self.chunk_bytes)
+                if reduce:
+                    self.buf[s2:e2] += tmp
+                else:
+                    self.buf[s2:e2] = tmp
+                await send
+            total = float(self.buf[-1])
+            if not total > 0:
+                raise AveragingError(f"step {self.group.step}: total weight is {total}")
+            return self.buf[:-1] / total
+        finally:
+            for w in own:
+                w.close()
+
+    async def _open_in(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await self.open_stream(self._peer(self.pred))
+        await write_frame(writer, Kind.RING, self.group.round_id, HELLO)
+        self._in.set_result((reader, None))
+        return reader, writer

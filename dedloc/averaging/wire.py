@@ -1,0 +1,149 @@
+"""The byte protocol for tensor parts (see docs/wire.md).
+
+A frame is a fixed 44-byte little-endian header followed by ``numel * itemsize`` raw bytes
+(or a UTF-8 message for ERROR frames). Payloads are streamed in large chunks straight out of
+and into preallocated tensors: no per-chunk framing, no protobuf.
+
+Guarantees: a receiver never allocates from a length a peer sent; it reads into a buffer of
+the size it expects and rejects any other size with :class:`ProtocolError` naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dedloc.errors import ProtocolError
+
+MAGIC = b"DDLC"
+VERSION = 1
+HEADER = struct.Struct("<4sHBB16sIdQ")
+MAX_ERROR_BYTES = 4096
+
+
+class Kind(enum.IntEnum):
+    CONTRIB = 1  # sender -> aggregator: my weighted-mean input for your part
+    RESULT = 2  # aggregator -> member: the averaged part (weight = total weight averaged)
+    ERROR = 3  # either way: the round failed for this stream; payload is a UTF-8 reason
+    FAILOVER = 4  # sender -> backup aggregator: CONTRIB for the part of a failed aggregator
+    ACK = 5  # backup -> aggregator: the RESULT arrived whole
+    FETCH = 6  # member -> group representative: send me the final (hierarchical) result
+    RING = 7  # ring all-reduce chunk; part = step index
+
+
+DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: Kind
+    dtype: torch.dtype | None
+    round_id: bytes
+    part: int
+    weight: float
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        if self.kind == Kind.ERROR:
+            return self.numel
+        if self.dtype is None:
+            return 0
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def pack_header(kind: Kind, round_id: bytes, part: int = 0, weight: float = 0.0, numel: int = 0,
+                dtype: torch.dtype | None = None) -> bytes:
+    if len(round_id) != 16:
+        raise ValueError("round_id must be 16 bytes")
+    code = 0 if dtype is None else DTYPE_CODES[dtype]
+    return HEADER.pack(MAGIC, VERSION, int(kind), code, round_id, part, float(weight), numel)
+
+
+def unpack_header(raw: bytes) -> Header:
+    """Parse and validate a header; raises ProtocolError naming what is wrong."""
+    magic, version, kind, code, round_id, part, weight, numel = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}: not a dedloc averaging stream")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version mismatch: ours is {VERSION}, theirs is {version}")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {kind}") from None
+    if code and code not in DTYPES:
+        raise ProtocolError(f"unknown dtype code {code}")
+    if kind == Kind.ERROR and numel > MAX_ERROR_BYTES:
+        raise ProtocolError(f"error message of {numel} bytes exceeds {MAX_ERROR_BYTES}")
+    if not (weight == weight) or weight < 0 or weight == float("inf"):
+        raise ProtocolError(f"invalid weight {weight}")
+    return Header(kind, DTYPES.get(code), bytes(round_id), part, weight, numel)
+
+
+async def read_header(reader: asyncio.StreamReader) -> Header:
+    try:
+        raw = await reader.readexactly(HEADER.size)
+    except asyncio.IncompleteReadError as e:
+        raise ConnectionError(f"stream closed after {len(e.partial)} of {HEADER.size} header bytes") from None
+    return unpack_header(raw)
+
+
+def _bytes_view(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(-1).view(torch.uint8).numpy()
+
+
+async def write_frame(writer: asyncio.StreamWriter, kind: Kind, round_id: bytes, part: int = 0,
+                      weight: float = 0.0, tensor: torch.Tensor | None = None, chunk_bytes: int = 4 << 20) -> None:
+    """Write one frame; the tensor (CPU, contiguous) is sent as raw bytes in large chunks."""
+    if tensor is None:
+        writer.write(pack_header(kind, round_id, part, weight))
+        await writer.drain()
+        return
+    writer.write(pack_header(kind, round_id, part, weight, tensor.numel(), tensor.dtype))
+    view = memoryview(_bytes_view(tensor))
+    for off in range(0, len(view), chunk_bytes):
+        writer.write(view[off:off + chunk_bytes])
+        await writer.drain()
+    await writer.drain()
+
+
+async def write_error(writer: asyncio.StreamWriter, round_id: bytes, message: str) -> None:
+    data = message.encode()[:MAX_ERROR_BYTES]
+    writer.write(pack_header(Kind.ERROR, round_id, numel=len(data)) + data)
+    await writer.drain()
+
+
+async def read_error_text(reader: asyncio.StreamReader, header: Header) -> str:
+    data = await reader.readexactly(header.numel)
+    return data.decode(errors="replace")
+
+
+async def read_payload_into(reader: asyncio.StreamReader, header: Header, out: torch.Tensor,
+                            chunk_bytes: int = 4 << 20) -> None:
+    """Read the frame's payload into ``out``; the header must match out's numel and dtype."""
+    if header.dtype != out.dtype:
+        raise ProtocolError(f"dtype mismatch: expected {out.dtype}, got {header.dtype}")
+    if header.numel != out.numel():
+        raise ProtocolError(f"size mismatch: expected {out.numel()} elements, got {header.numel}")
+    dst = _bytes_view(out)
+    total, off = dst.nbytes, 0
+    while off < total:
+        n = min(chunk_bytes, total - off)
+        data = await reader.readexactly(n)
+        dst[off:off + n] = np.frombuffer(data, dtype=np.uint8)
+        off += n
+
+
+async def skip_payload(reader: asyncio.StreamReader, header: Header, limit: int) -> None:
+    """Drain a payload we will not use (bounded by ``limit`` bytes, else ProtocolError)."""
+    if header.nbytes > limit:
+        raise ProtocolError(f"payload of {header.nbytes} bytes exceeds the expected {limit}")
+    left = header.nbytes
+    while left:
+        left -= len(await reader.readexactly(min(left, 1 << 20)))

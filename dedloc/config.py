@@ -1,0 +1,101 @@
+"""Configuration dataclasses: the one source of truth shared by the CLI and the Python API.
+
+Every field is validated by ``validate()``, which raises :class:`ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from dedloc.errors import ConfigError
+
+COMPRESSIONS = ("none", "float16")
+STRATEGIES = ("partitioned", "ring")
+
+
+def _check(cond: bool, name: str, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"invalid config: {name} {why}")
+
+
+@dataclass
+class PeerConfig:
+    """How a peer joins the network."""
+
+    run_id: str = "dedloc"
+    """Collaboration name; peers with different run ids never interact."""
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs of peers already in the collaboration (empty: start a new one)."""
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    """Where to listen. Use /ip4/0.0.0.0/tcp/PORT to accept peers from other machines."""
+    announce_maddrs: tuple[str, ...] = ()
+    """Public addresses to announce, if different from host_maddrs."""
+    identity_path: str | None = None
+    """File holding the private key; created if missing. Keeps the peer ID across restarts."""
+    client_mode: bool = False
+    """Accept no inbound connections: the peer dials out only and never aggregates."""
+    startup_timeout: float = 60.0
+    """Seconds to wait for the background process, the daemon and the DHT bootstrap."""
+    progress_ttl: float = 30.0
+    """Seconds a published progress record stays valid."""
+    log_level: str = "INFO"
+
+    def validate(self) -> "PeerConfig":
+        _check(bool(self.run_id) and all(c.isalnum() or c in "-_" for c in self.run_id), "run_id",
+               f"must be non-empty letters, digits, '-' or '_' (got {self.run_id!r})")
+        for addr in tuple(self.initial_peers) + tuple(self.host_maddrs) + tuple(self.announce_maddrs):
+            _check(isinstance(addr, str) and addr.startswith("/"), "multiaddr", f"must start with '/' (got {addr!r})")
+        _check(self.startup_timeout > 0, "startup_timeout", "must be > 0")
+        _check(self.progress_ttl > 0, "progress_ttl", "must be > 0")
+        _check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
+               "must be DEBUG, INFO, WARNING or ERROR")
+        return self
+
+
+@dataclass
+class AveragingConfig:
+    """How averaging rounds are formed and run."""
+
+    matchmaking_time: float = 3.0
+    """Longest wait for the expected peers to declare themselves ready for a step."""
+    averaging_timeout: float = 60.0
+    """Deadline for a whole round after matchmaking; on expiry every member gets an error."""
+    max_group_size: int = 64
+    """Largest all-reduce group; larger collaborations reduce hierarchically."""
+    strategy: str = "partitioned"
+    """'partitioned' (reduce-scatter + all-gather, fault tolerant) or 'ring'."""
+    compression: str = "none"
+    """'none' or 'float16' on the wire."""
+    chunk_bytes: int = 4 << 20
+    """Bytes per socket write/read when streaming a part."""
+    share: float | None = None
+    """This peer's aggregation share hint (None: 1 for reachable peers, 0 in client mode)."""
+
+    def validate(self) -> "AveragingConfig":
+        _check(self.matchmaking_time > 0, "matchmaking_time", "must be > 0")
+        _check(self.averaging_timeout > 0, "averaging_timeout", "must be > 0")
+        _check(self.max_group_size >= 2, "max_group_size", "must be >= 2")
+        _check(self.strategy in STRATEGIES, "strategy", f"must be one of {STRATEGIES}")
+        _check(self.compression in COMPRESSIONS, "compression", f"must be one of {COMPRESSIONS}")
+        _check(self.chunk_bytes >= 4096, "chunk_bytes", "must be >= 4096")
+        _check(self.share is None or self.share >= 0, "share", "must be >= 0")
+        return self
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Build a config from a dict, refusing unknown keys by name."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"invalid config: unknown field(s) {unknown} for {cls.__name__}")
+    obj = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    return obj.validate()
+
+
+__all__ = ["PeerConfig", "AveragingConfig", "to_dict", "from_dict", "field"]

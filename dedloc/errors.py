@@ -1,0 +1,33 @@
+"""Every error dedloc raises on purpose. Each names the peer, the step and the cause where known."""
+
+
+class DedlocError(Exception):
+    """Base class of all dedloc errors."""
+
+
+class ConfigError(DedlocError, ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+class JoinError(DedlocError):
+    """The peer could not start or could not reach any initial peer."""
+
+
+class ProtocolError(DedlocError):
+    """A peer sent a malformed, hostile or incompatible message."""
+
+
+class MatchmakingError(DedlocError):
+    """No group could be agreed for this step within the deadline."""
+
+
+class MissedRoundError(MatchmakingError):
+    """The group for this step was already closed when this peer asked to join."""
+
+
+class AveragingError(DedlocError):
+    """An averaging round could not complete; the local tensor was left untouched."""
+
+
+class RuntimeClosedError(DedlocError):
+    """The background networking process is gone (closed or crashed)."""

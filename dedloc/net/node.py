@@ -1,0 +1,118 @@
+"""The engine, wrapped once: a go-libp2p daemon (hivemind.p2p.P2P) and a DHT node (hivemind.dht).
+
+Lives inside the runtime process (see runtime.py). Guarantees:
+- the identity key persists in ``identity_path``, so a restarted peer keeps its peer ID;
+- in client mode the daemon listens on no address: the peer only dials out;
+- an unreachable initial peer raises :class:`JoinError` naming the addresses, within the startup timeout;
+- ``shutdown()`` stops the DHT and terminates the daemon, removing its socket files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from dedloc.config import PeerConfig
+from dedloc.errors import JoinError
+
+logger = logging.getLogger(__name__)
+
+
+class Node:
+    """One peer's P2P daemon and DHT node."""
+
+    def __init__(self, p2p: P2P, dht: DHTNode, config: PeerConfig):
+        self.p2p, self.dht, self.config = p2p, dht, config
+        self.peer_id: PeerID = p2p.peer_id
+
+    @classmethod
+    async def create(cls, config: PeerConfig) -> "Node":
+        config.validate()
+        for addr in config.initial_peers:
+            try:
+                maddr = Multiaddr(addr)
+                maddr["p2p"]
+            except Exception:
+                raise JoinError(f"initial peer {addr!r} is not a full multiaddr ending in /p2p/<peer id>") from None
+        if config.identity_path and not os.path.exists(config.identity_path):
+            parent = os.path.dirname(os.path.abspath(config.identity_path))
+            if not os.path.isdir(parent):
+                raise JoinError(f"identity_path directory {parent} does not exist")
+        p2p = None
+        try:
+            p2p = await P2P.create(
+                initial_peers=list(config.initial_peers) or None,
+                host_maddrs=list(config.host_maddrs),
+                announce_maddrs=list(config.announce_maddrs) or None,
+                identity_path=config.identity_path,
+                check_if_identity_free=False,
+                dht_mode="client" if config.client_mode else "server",
+                no_listen=config.client_mode,
+                startup_timeout=config.startup_timeout,
+                idle_timeout=0,
+            )
+            dht = await asyncio.wait_for(
+                DHTNode.create(
+                    p2p=p2p,
+                    initial_peers=list(config.initial_peers),
+                    client_mode=config.client_mode,
+                    ensure_bootstrap_success=True,
+                    bootstrap_timeout=min(10.0, config.startup_timeout),
+                    wait_timeout=5.0,
+                    cache_locally=False,
+                    cache_on_store=False,
+                ),
+                config.startup_timeout,
+            )
+        except Exception as e:
+            if p2p is not None:
+                await p2p.shutdown()
+            if isinstance(e, JoinError):
+                raise
+            hint = f" {list(config.initial_peers)}" if config.initial_peers else ""
+            raise JoinError(f"could not join the collaboration through the initial peers{hint}: "
+                            f"{type(e).__name__}: {e}") from None
+        return cls(p2p, dht, config)
+
+    async def visible_maddrs(self) -> list[str]:
+        if self.config.client_mode:
+            return []
+        try:
+            return [str(a) for a in await self.p2p.get_visible_maddrs()]
+        except ValueError:
+            return []
+
+    def key(self, *parts: Any) -> str:
+        return ".".join([self.config.run_id, *map(str, parts)])
+
+    async def store(self, key: str, subkey: str, value: Any, ttl: float) -> bool:
+        return await self.dht.store(key, value, time.time() + ttl, subkey=subkey)
+
+    async def get(self, key: str) -> dict[str, tuple[Any, float]]:
+        """All unexpired (subkey -> (value, expiration)) entries under ``key``; {} if none."""
+        found = await self.dht.get(key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        now, out = time.time(), {}
+        for subkey, item in found.value.items():
+            try:
+                value, expiration = item.value, item.expiration_time
+            except AttributeError:
+                continue
+            if isinstance(subkey, str) and expiration >= now:
+                out[subkey] = (value, expiration)
+        return out
+
+    async def shutdown(self) -> None:
+        try:
+            await asyncio.wait_for(self.dht.shutdown(), 5)
+        except Exception:
+            logger.debug("DHT shutdown did not finish cleanly", exc_info=True)
+        await self.p2p.shutdown()

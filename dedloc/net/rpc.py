@@ -1,0 +1,78 @@
+"""Small request/response messages over libp2p streams: length-prefixed msgpack.
+
+Guarantees: a message above ``MAX_MESSAGE`` bytes or one that is not valid msgpack raises
+:class:`ProtocolError`; every call has a deadline; the remote peer id given to handlers is
+the one libp2p authenticated, never a claim from the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable, Callable
+
+import msgpack
+from hivemind.p2p import P2P, PeerID
+
+from dedloc.errors import ProtocolError
+
+logger = logging.getLogger(__name__)
+MAX_MESSAGE = 1 << 20
+
+Handler = Callable[[PeerID, Any], Awaitable[Any]]
+
+
+async def write_message(writer: asyncio.StreamWriter, obj: Any) -> None:
+    data = msgpack.packb(obj, use_bin_type=True)
+    if len(data) > MAX_MESSAGE:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE}")
+    writer.write(len(data).to_bytes(4, "big") + data)
+    await writer.drain()
+
+
+async def read_message(reader: asyncio.StreamReader) -> Any:
+    size = int.from_bytes(await reader.readexactly(4), "big")
+    if size > MAX_MESSAGE:
+        raise ProtocolError(f"message of {size} bytes exceeds {MAX_MESSAGE}")
+    data = await reader.readexactly(size)
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise ProtocolError(f"malformed message: {type(e).__name__}: {e}") from None
+
+
+async def call(p2p: P2P, peer_id: PeerID, name: str, request: Any, timeout: float) -> Any:
+    """Send one request and wait for one response; raises TimeoutError, ConnectionError or ProtocolError."""
+
+    async def _call() -> Any:
+        _, reader, writer = await p2p.call_binary_stream_handler(peer_id, name)
+        try:
+            await write_message(writer, request)
+            return await read_message(reader)
+        finally:
+            writer.close()
+
+    try:
+        return await asyncio.wait_for(_call(), timeout)
+    except asyncio.IncompleteReadError:
+        raise ConnectionError(f"peer {peer_id} closed the stream on {name}") from None
+
+
+async def serve(p2p: P2P, name: str, handler: Handler) -> None:
+    """Register ``handler(remote_peer_id, request) -> response`` under protocol ``name``."""
+
+    async def _on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(read_message(reader), 10.0)
+            response = await handler(info.peer_id, request)
+            await write_message(writer, response)
+        except ProtocolError as e:
+            logger.warning(f"rejected {name} request from {info.peer_id}: {e}")
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
+            logger.debug(f"{name} stream from {info.peer_id} closed early")
+        except Exception:
+            logger.exception(f"handler {name} failed on a request from {info.peer_id}")
+        finally:
+            writer.close()
+
+    await p2p.add_binary_stream_handler(name, _on_stream)

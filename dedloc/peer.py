@@ -1,0 +1,96 @@
+"""The user-facing peer: join a collaboration, publish progress, average tensors.
+
+Example::
+
+    peer = Peer(PeerConfig(run_id="demo", initial_peers=[...]))
+    result = peer.average(grad_vector, step=3, weight=64)   # in place; identical on all members
+    peer.close()
+
+Guarantees: networking runs in a background process (see net/runtime.py), so a busy training
+thread does not stall it; ``average`` overwrites the tensor only on success and raises
+MissedRoundError / MatchmakingError / AveragingError otherwise, within its deadlines.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from dedloc.config import AveragingConfig, PeerConfig
+from dedloc.errors import AveragingError
+from dedloc.net.runtime import Runtime, SharedBuffer
+from dedloc.records import CollaborationView, ProgressRecord, Role
+
+
+class Peer:
+    """One member of a collaboration, running its networking in a background process."""
+
+    def __init__(self, config: PeerConfig | None = None, averaging: AveragingConfig | None = None):
+        self.config = (config or PeerConfig()).validate()
+        self.averaging = (averaging or AveragingConfig()).validate()
+        self.runtime = Runtime("dedloc.service:create", (self.config, self.averaging),
+                               startup_timeout=self.config.startup_timeout, log_level=self.config.log_level)
+        self.peer_id: str = self.runtime.info["peer_id"]
+        self.maddrs: list[str] = self.runtime.info["maddrs"]
+        self._buffers: dict[int, SharedBuffer] = {}
+
+    @property
+    def role(self) -> Role:
+        return Role.CLIENT if self.config.client_mode else Role.TRAINER
+
+    # ---- progress -------------------------------------------------------------------------------------
+    def publish_progress(self, step: int, samples: int, samples_per_second: float, *, role: Role | None = None,
+                         bandwidth: float = 0.0) -> None:
+        record = ProgressRecord(self.peer_id, step, samples, samples_per_second, role or self.role, bandwidth,
+                                time.time())
+        self.runtime.call("publish_progress", record.to_wire(), self.config.progress_ttl)
+
+    def collaboration(self) -> CollaborationView:
+        return CollaborationView.build(self.runtime.call("read_progress"))
+
+    # ---- averaging ------------------------------------------------------------------------------------
+    def _buffer(self, numel: int) -> torch.Tensor:
+        if numel not in self._buffers:
+            buf = SharedBuffer(numel)
+            self.runtime.call("register_buffer", f"b{numel}", buf.name, numel)
+            self._buffers[numel] = buf
+        return self._buffers[numel].tensor
+
+    def average_async(self, tensor: torch.Tensor, *, step: int, weight: float, expected_peers: int | None = None,
+                      timeout: float | None = None):
+        """Start averaging; returns (future of stats, finish) where finish() copies the result back."""
+        if not tensor.is_floating_point():
+            raise AveragingError(f"can only average floating-point tensors, got {tensor.dtype}")
+        buf = self._buffer(tensor.numel())
+        buf.copy_(tensor.detach().reshape(-1))
+        fut = self.runtime.call_async("average", f"b{tensor.numel()}", step, float(weight), expected_peers, timeout)
+
+        def finish() -> dict[str, Any]:
+            stats = fut.result()
+            with torch.no_grad():
+                tensor.copy_(buf.view_as(tensor))
+            return stats
+
+        return fut, finish
+
+    def average(self, tensor: torch.Tensor, *, step: int, weight: float, expected_peers: int | None = None,
+                timeout: float | None = None) -> dict[str, Any]:
+        """Replace ``tensor`` by the sample-weighted mean over this step's group; return round stats."""
+        _, finish = self.average_async(tensor, step=step, weight=weight, expected_peers=expected_peers,
+                                       timeout=timeout)
+        return finish()
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self.runtime.close()
+        for buf in self._buffers.values():
+            buf.close()
+        self._buffers.clear()
+
+    def __enter__(self) -> "Peer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

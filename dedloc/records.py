@@ -1,0 +1,100 @@
+"""Typed, expiring DHT records: per-peer progress, and the collaboration view built from them.
+
+Records are validated on read: a malformed or hostile record is skipped (logged at DEBUG),
+never raised into the training loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+logger = logging.getLogger(__name__)
+
+
+class Role(str, enum.Enum):
+    TRAINER = "trainer"
+    AGGREGATOR = "aggregator"  # aggregates, trains nothing (weight 0)
+    CLIENT = "client"  # trains, accepts no inbound connections, never aggregates
+
+
+@dataclass(frozen=True)
+class ProgressRecord:
+    """What one peer publishes about itself, with an expiry."""
+
+    peer_id: str
+    step: int
+    samples: int
+    """Samples accumulated toward the current step."""
+    samples_per_second: float
+    role: Role
+    bandwidth: float = 0.0
+    """Estimated bytes/s this peer can move (min of upload and download), 0 if unknown."""
+    time: float = 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("peer_id")
+        d["role"] = self.role.value
+        return d
+
+    @classmethod
+    def from_wire(cls, peer_id: str, obj: Any) -> "ProgressRecord | None":
+        try:
+            rec = cls(peer_id=peer_id, step=int(obj["step"]), samples=int(obj["samples"]),
+                      samples_per_second=float(obj["samples_per_second"]), role=Role(obj["role"]),
+                      bandwidth=float(obj.get("bandwidth", 0.0)), time=float(obj.get("time", 0.0)))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            logger.debug(f"ignoring malformed progress record from {peer_id}")
+            return None
+        numbers = (rec.samples_per_second, rec.bandwidth, rec.time)
+        if rec.step < 0 or rec.samples < 0 or not all(math.isfinite(x) and x >= 0 for x in numbers):
+            logger.debug(f"ignoring out-of-range progress record from {peer_id}")
+            return None
+        return rec
+
+
+@dataclass(frozen=True)
+class CollaborationView:
+    """One consistent reading of all live progress records."""
+
+    peers: tuple[ProgressRecord, ...]
+    now: float
+
+    @classmethod
+    def build(cls, records: Iterable[ProgressRecord], now: float | None = None) -> "CollaborationView":
+        return cls(tuple(sorted(records, key=lambda r: r.peer_id)), time.time() if now is None else now)
+
+    @property
+    def global_step(self) -> int:
+        return max((r.step for r in self.peers), default=0)
+
+    @property
+    def current(self) -> tuple[ProgressRecord, ...]:
+        """Peers at the global step (the ones whose samples count toward it)."""
+        return tuple(r for r in self.peers if r.step == self.global_step)
+
+    @property
+    def samples(self) -> int:
+        return sum(r.samples for r in self.current)
+
+    @property
+    def samples_per_second(self) -> float:
+        return sum(r.samples_per_second for r in self.current if r.role != Role.AGGREGATOR)
+
+    def eta(self, target_batch_size: int) -> float:
+        """Seconds until the collaboration reaches the target, extrapolating from each record's time."""
+        done = sum(r.samples + r.samples_per_second * max(0.0, self.now - r.time) for r in self.current)
+        left = max(0.0, target_batch_size - done)
+        sps = self.samples_per_second
+        return 0.0 if left == 0 else (left / sps if sps > 0 else math.inf)
+
+    def by_role(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.peers:
+            out[r.role.value] = out.get(r.role.value, 0) + 1
+        return out

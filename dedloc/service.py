@@ -1,0 +1,76 @@
+"""What runs in a peer's background process: the engine node, progress records and the averager.
+
+The training process reaches these methods through :class:`dedloc.net.runtime.Runtime`; only
+names in ``PUBLIC`` can be called.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from dedloc.averaging.averager import Averager
+from dedloc.config import AveragingConfig, PeerConfig
+from dedloc.errors import DedlocError
+from dedloc.net.node import Node
+from dedloc.net.runtime import SharedBuffer
+from dedloc.records import ProgressRecord
+
+logger = logging.getLogger(__name__)
+
+
+class PeerService:
+    PUBLIC = frozenset({"info", "publish_progress", "read_progress", "register_buffer", "average", "ping"})
+
+    def __init__(self, node: Node, averager: Averager):
+        self.node, self.averager = node, averager
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    async def create(cls, peer_config: PeerConfig, averaging_config: AveragingConfig) -> "PeerService":
+        node = await Node.create(peer_config)
+        try:
+            averager = Averager(node, averaging_config)
+            await averager.start()
+        except BaseException:
+            await node.shutdown()
+            raise
+        mode = "client mode" if peer_config.client_mode else "reachable"
+        logger.info(f"joined run {peer_config.run_id!r} as {node.peer_id.to_base58()} ({mode})")
+        return cls(node, averager)
+
+    async def info(self) -> dict[str, Any]:
+        return {"peer_id": self.node.peer_id.to_base58(), "maddrs": await self.node.visible_maddrs(),
+                "client_mode": self.node.config.client_mode}
+
+    async def ping(self) -> float:
+        return time.time()
+
+    async def publish_progress(self, record: dict[str, Any], ttl: float) -> bool:
+        return await self.node.store(self.node.key("progress"), self.node.peer_id.to_base58(), record, ttl)
+
+    async def read_progress(self) -> list[ProgressRecord]:
+        entries = await self.node.get(self.node.key("progress"))
+        return [r for p, (v, _) in entries.items() if (r := ProgressRecord.from_wire(p, v)) is not None]
+
+    async def register_buffer(self, name: str, shm_name: str, numel: int) -> None:
+        if name in self.buffers:
+            self.buffers.pop(name).close()
+        self.buffers[name] = SharedBuffer(numel, shm_name)
+
+    async def average(self, name: str, step: int, weight: float, expected_peers: int | None = None,
+                      timeout: float | None = None) -> dict[str, Any]:
+        if name not in self.buffers:
+            raise DedlocError(f"unknown buffer {name!r}")
+        return await self.averager.average(self.buffers[name].tensor, step, weight, expected_peers, timeout)
+
+    async def shutdown(self) -> None:
+        for buf in self.buffers.values():
+            buf.close()
+        await self.node.shutdown()
+        logger.info(f"left the collaboration ({self.node.peer_id.to_base58()})")
+
+
+async def create(peer_config: PeerConfig, averaging_config: AveragingConfig) -> PeerService:
+    return await PeerService.create(peer_config, averaging_config)
