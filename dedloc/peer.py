@@ -13,6 +13,8 @@ MissedRoundError / MatchmakingError / AveragingError otherwise, within its deadl
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import dataclasses
 import time
 from typing import Any
 
@@ -82,6 +84,10 @@ class Peer:
                                        timeout=timeout)
         return finish()
 
+    def closed_round(self, step: int) -> dict[str, list[str]]:
+        """Members of each group that closed for ``step`` (leader -> peer ids), read from the DHT."""
+        return self.runtime.call("closed_round", step)
+
     # ---- lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:
         self.runtime.close()
@@ -94,3 +100,30 @@ class Peer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def start_peers(configs: list[PeerConfig], averaging: AveragingConfig | None = None) -> list[Peer]:
+    """Start the first peer, then the others in parallel, bootstrapping from the first.
+
+    Peers whose config already names initial peers keep them. If any peer fails to start,
+    the ones already started are closed and the error is raised.
+    """
+    first = Peer(configs[0], averaging)
+    started = [first]
+    try:
+        def start(cfg: PeerConfig) -> Peer:
+            if not cfg.initial_peers:
+                cfg = dataclasses.replace(cfg, initial_peers=tuple(first.maddrs))
+            return Peer(cfg, averaging)
+
+        with cf.ThreadPoolExecutor(max(1, len(configs) - 1)) as pool:
+            futures = [pool.submit(start, c) for c in configs[1:]]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        started += [f.result() for f in futures if f.exception() is None]
+        if errors:
+            raise errors[0]
+        return started
+    except BaseException:
+        for p in started:
+            p.close()
+        raise

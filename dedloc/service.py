@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 class PeerService:
-    PUBLIC = frozenset({"info", "publish_progress", "read_progress", "register_buffer", "average", "ping"})
+    PUBLIC = frozenset({"info", "publish_progress", "read_progress", "register_buffer", "average", "ping",
+                        "closed_round"})
 
     def __init__(self, node: Node, averager: Averager):
         self.node, self.averager = node, averager
@@ -64,6 +65,9 @@ class PeerService:
         if name not in self.buffers:
             raise DedlocError(f"unknown buffer {name!r}")
         return await self.averager.average(self.buffers[name].tensor, step, weight, expected_peers, timeout)
+
+    async def closed_round(self, step: int) -> dict[str, list[str]]:
+        return await self.averager.matchmaker.closed_round(step)
 
     async def shutdown(self) -> None:
         for buf in self.buffers.values():

@@ -140,7 +140,7 @@ class Averager:
                                  "peers": [m.peer_id for m in group.members], "failovers": 0, "excluded": {}}
         if len(group.members) == 1:
             output, total = tensor.clone(), weight
-        elif self.config.strategy == "ring":
+        elif group.strategy == "ring":
             rnd = RingRound(group, me, tensor, weight, self._open, timeout, self.config.chunk_bytes)
             self._register(group.round_id, rnd, timeout + ROUND_GRACE)
             output, total = await rnd.run(), group.total_weight
@@ -157,7 +157,7 @@ class Averager:
 
     async def _partitioned(self, group: Group, me: int, local: torch.Tensor, weight: float, timeout: float,
                            stats: dict[str, Any]) -> tuple[torch.Tensor, float]:
-        rnd = PartitionedRound(group, me, local, weight, self._open, timeout, self.config.compression,
+        rnd = PartitionedRound(group, me, local, weight, self._open, timeout, group.compression,
                                self.config.chunk_bytes)
         self._register(group.round_id, rnd, timeout + ROUND_GRACE)
         try:

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dedloc.config import COMPRESSIONS, STRATEGIES
 from dedloc.errors import ProtocolError
 
 
@@ -39,6 +40,9 @@ class Group:
     members: tuple[Member, ...]
     subgroups: tuple[tuple[int, ...], ...] = ()
     """Member indices of each subgroup; empty for a flat (single-level) group."""
+    strategy: str = "partitioned"
+    compression: str = "none"
+    """Both chosen by the leader, so members never disagree."""
 
     def __post_init__(self) -> None:
         ids = [m.peer_id for m in self.members]
@@ -94,7 +98,7 @@ class Group:
 
     def subgroup(self, k: int) -> "Group":
         members = tuple(self.members[i] for i in self.subgroups[k])
-        return Group(sub_round_id(self.round_id, f"sub{k}"), self.step, members)
+        return replace(self, round_id=sub_round_id(self.round_id, f"sub{k}"), members=members, subgroups=())
 
     def representative(self, k: int) -> int:
         """The member of subgroup k that joins the top-level reduce: its largest-share aggregator."""
@@ -106,7 +110,7 @@ class Group:
         reps = sorted((self.representative(k) for k in range(len(self.subgroups))),
                       key=lambda i: self.members[i].peer_id)
         members = tuple(replace(self.members[i], weight=weights.get(i, 0.0)) for i in reps)
-        return Group(sub_round_id(self.round_id, "top"), self.step, members)
+        return replace(self, round_id=sub_round_id(self.round_id, "top"), members=members, subgroups=())
 
     # ---- wire ----------------------------------------------------------------------------------
     def to_wire(self) -> dict[str, Any]:
@@ -115,6 +119,8 @@ class Group:
             "step": self.step,
             "members": [[m.peer_id, m.weight, m.share, m.client] for m in self.members],
             "subgroups": [list(s) for s in self.subgroups],
+            "strategy": self.strategy,
+            "compression": self.compression,
         }
 
     @classmethod
@@ -122,7 +128,10 @@ class Group:
         try:
             members = tuple(Member(str(p), float(w), float(s), bool(c)) for p, w, s, c in obj["members"])
             subgroups = tuple(tuple(int(i) for i in s) for s in obj["subgroups"])
-            group = cls(bytes(obj["round_id"]), int(obj["step"]), members, subgroups)
+            strategy, compression = str(obj["strategy"]), str(obj["compression"])
+            if strategy not in STRATEGIES or compression not in COMPRESSIONS:
+                raise ValueError(f"unknown strategy {strategy!r} or compression {compression!r}")
+            group = cls(bytes(obj["round_id"]), int(obj["step"]), members, subgroups, strategy, compression)
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"malformed group description: {e}") from None
         if any(not (m.weight >= 0 and math.isfinite(m.weight)) or not (m.share >= 0 and math.isfinite(m.share))

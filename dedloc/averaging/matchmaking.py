@@ -89,6 +89,11 @@ class Matchmaker:
         ready[self.me] = me
         return ready
 
+    async def closed_round(self, step: int) -> dict[str, list[str]]:
+        """Leader -> members of every group closed for ``step``, as published in the DHT."""
+        return {leader: value for leader, (value, _) in (await self.node.get(self.node.key("closed", step))).items()
+                if isinstance(value, list)}
+
     async def _closed_without_me(self, step: int) -> str | None:
         for leader, (value, _) in (await self.node.get(self.node.key("closed", step))).items():
             if isinstance(value, list) and self.me not in value:
@@ -139,7 +144,8 @@ class Matchmaker:
                 break
             await asyncio.sleep(POLL)
         members = tuple(sorted(state.members.values(), key=lambda m: m.peer_id))
-        group = Group(os.urandom(16), step, members, split_into_subgroups(members, self.config.max_group_size))
+        group = Group(os.urandom(16), step, members, split_into_subgroups(members, self.config.max_group_size),
+                      self.config.strategy, self.config.compression)
         state.group = group
         await self.node.store(self.node.key("closed", step), self.me, [m.peer_id for m in members],
                               ttl=3 * self.config.matchmaking_time + self.config.averaging_timeout)

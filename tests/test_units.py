@@ -1,0 +1,171 @@
+"""Pure unit tests: wire format, group maths, records, config validation."""
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from dedloc.averaging.accumulator import PartAccumulator
+from dedloc.averaging.group import Group, Member, split_into_subgroups
+from dedloc.averaging.ring import ring_order
+from dedloc.averaging.wire import (HEADER, Kind, pack_header, read_header, read_payload_into, unpack_header)
+from dedloc.config import AveragingConfig, PeerConfig, from_dict
+from dedloc.errors import AveragingError, ConfigError, ProtocolError
+from dedloc.records import CollaborationView, ProgressRecord, Role
+
+RID = bytes(range(16))
+
+
+def feed(data: bytes) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return reader
+
+
+def test_header_roundtrip_and_rejections():
+    h = unpack_header(pack_header(Kind.CONTRIB, RID, 3, 2.5, 10, torch.float16))
+    assert (h.kind, h.round_id, h.part, h.weight, h.numel, h.dtype, h.nbytes) == \
+        (Kind.CONTRIB, RID, 3, 2.5, 10, torch.float16, 20)
+    raw = bytearray(pack_header(Kind.CONTRIB, RID))
+    with pytest.raises(ProtocolError, match="bad magic"):
+        unpack_header(b"XXXX" + bytes(raw[4:]))
+    raw[4:6] = (99).to_bytes(2, "little")
+    with pytest.raises(ProtocolError, match="version mismatch: ours is 1, theirs is 99"):
+        unpack_header(bytes(raw))
+    bad_kind = HEADER.pack(b"DDLC", 1, 42, 1, RID, 0, 0.0, 0)
+    with pytest.raises(ProtocolError, match="unknown frame kind"):
+        unpack_header(bad_kind)
+    for w in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ProtocolError, match="invalid weight"):
+            unpack_header(HEADER.pack(b"DDLC", 1, 1, 1, RID, 0, w, 0))
+
+
+def test_payload_size_and_dtype_checked_before_reading():
+    async def go():
+        x = torch.arange(8, dtype=torch.float32)
+        data = pack_header(Kind.CONTRIB, RID, 0, 1.0, 8, torch.float32) + x.numpy().tobytes()
+        reader = feed(data)
+        out = torch.empty(8)
+        await read_payload_into(reader, await read_header(reader), out)
+        assert torch.equal(out, x)
+        reader = feed(data)
+        with pytest.raises(ProtocolError, match="size mismatch: expected 4 elements, got 8"):
+            await read_payload_into(reader, await read_header(reader), torch.empty(4))
+        reader = feed(data)
+        with pytest.raises(ProtocolError, match="dtype mismatch"):
+            await read_payload_into(reader, await read_header(reader), torch.empty(8, dtype=torch.float16))
+        with pytest.raises(ConnectionError, match="header"):
+            await read_header(feed(data[:10]))
+
+    asyncio.run(go())
+
+
+def members(*spec):
+    return tuple(Member(f"p{i}", w, s, c) for i, (w, s, c) in enumerate(spec))
+
+
+def test_part_bounds_follow_shares_and_cover_the_vector():
+    g = Group(RID, 0, members((1, 1, False), (1, 3, False), (1, 0, True), (0, 4, False)))
+    b = g.part_bounds(80)
+    assert b == [(0, 10), (10, 40), (40, 40), (40, 80)]
+    assert g.aggregators == [0, 1, 3]
+    assert [g.backup(j) for j in (0, 1, 3)] == [1, 3, 0] and g.backup(2) is None
+    for n in (1, 2, 7, 1001):
+        bounds = g.part_bounds(n)
+        assert bounds[0][0] == 0 and bounds[-1][1] == n
+        assert all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
+    with pytest.raises(ProtocolError, match="no aggregator"):
+        Group(RID, 0, members((1, 0, True))).part_bounds(10)
+
+
+def test_group_wire_validation():
+    g = Group(RID, 5, members((1, 1, False), (2, 1, True)), (), "ring", "float16")
+    assert Group.from_wire(g.to_wire()) == g
+    bad = g.to_wire()
+    bad["members"][0][1] = float("nan")
+    with pytest.raises(ProtocolError):
+        Group.from_wire(bad)
+    bad = g.to_wire()
+    bad["members"] = list(reversed(bad["members"]))
+    with pytest.raises(ProtocolError, match="sorted"):
+        Group.from_wire(bad)
+    bad = g.to_wire()
+    bad["strategy"] = "gossip"
+    with pytest.raises(ProtocolError):
+        Group.from_wire(bad)
+    with pytest.raises(ProtocolError):
+        Group.from_wire({"round_id": 1})
+
+
+def test_subgroups_bound_size_and_each_has_an_aggregator():
+    ms = tuple(Member(f"p{i:03d}", 1, 0 if i % 3 == 0 else 1, i % 3 == 0) for i in range(200))
+    subs = split_into_subgroups(ms, 16)
+    assert sorted(i for s in subs for i in s) == list(range(200))
+    assert max(len(s) for s in subs) <= 16 and len(subs) == math.ceil(200 / 16)
+    for s in subs:
+        assert any(ms[i].share > 0 for i in s)
+    g = Group(RID, 0, ms, subs)
+    top = g.top_group({g.representative(k): 1.0 for k in range(len(subs))})
+    assert len(top.members) == len(subs) and top.round_id != g.round_id
+    assert split_into_subgroups(ms[:10], 16) == ()
+
+
+def test_ring_order_never_puts_two_clients_side_by_side():
+    g = Group(RID, 0, members((1, 1, False), (1, 0, True), (1, 1, False), (1, 0, True)))
+    order = ring_order(g)
+    assert sorted(order) == [0, 1, 2, 3]
+    for a, b in zip(order, order[1:] + order[:1]):
+        assert not (g.members[a].client and g.members[b].client)
+    with pytest.raises(AveragingError, match="ring needs"):
+        ring_order(Group(RID, 0, members((1, 1, False), (1, 0, True), (1, 0, True))))
+
+
+def test_accumulator_counts_each_sender_once():
+    async def go():
+        acc = PartAccumulator({0, 1, 2}, 3)
+        assert acc.add(0, 1.0, torch.ones(3))
+        assert not acc.add(0, 1.0, torch.ones(3))
+        acc.reject(1, "bad")
+        assert not acc.add(1, 5.0, torch.ones(3))
+        await acc.wait(asyncio.get_running_loop().time() + 0.05)
+        out = acc.finish()
+        assert torch.equal(out, torch.ones(3)) and acc.rejected == {1: "bad", 2: "timed out"}
+        assert not acc.add(2, 1.0, torch.ones(3))
+        with pytest.raises(AveragingError):
+            PartAccumulator({0}, 1).finish()
+
+    asyncio.run(go())
+
+
+def test_records_view_and_validation():
+    now = 1000.0
+    recs = [ProgressRecord("a", 3, 100, 50.0, Role.TRAINER, 1e6, now),
+            ProgressRecord("b", 3, 60, 30.0, Role.CLIENT, 0, now),
+            ProgressRecord("c", 2, 500, 10.0, Role.TRAINER, 0, now),
+            ProgressRecord("d", 3, 0, 0.0, Role.AGGREGATOR, 0, now)]
+    view = CollaborationView.build(recs, now)
+    assert view.global_step == 3 and view.samples == 160 and view.samples_per_second == 80.0
+    assert view.eta(320) == pytest.approx(2.0)
+    assert view.eta(100) == 0.0
+    assert view.by_role() == {"trainer": 2, "client": 1, "aggregator": 1}
+    assert ProgressRecord.from_wire("a", recs[0].to_wire()) == recs[0]
+    for bad in ({"step": -1, "samples": 0, "samples_per_second": 0, "role": "trainer"},
+                {"step": 1, "samples": 0, "samples_per_second": float("nan"), "role": "trainer"},
+                {"step": 1, "samples": 0, "samples_per_second": 1, "role": "king"}, "junk", None):
+        assert ProgressRecord.from_wire("x", bad) is None
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="run_id"):
+        PeerConfig(run_id="bad id!").validate()
+    with pytest.raises(ConfigError, match="multiaddr"):
+        PeerConfig(initial_peers=("localhost:1234",)).validate()
+    with pytest.raises(ConfigError, match="strategy"):
+        AveragingConfig(strategy="gossip").validate()
+    with pytest.raises(ConfigError, match="max_group_size"):
+        AveragingConfig(max_group_size=1).validate()
+    with pytest.raises(ConfigError, match="unknown field"):
+        from_dict(AveragingConfig, {"timeout": 3})
+    assert from_dict(PeerConfig, {"initial_peers": ["/ip4/1.2.3.4/tcp/1"]}).initial_peers == ("/ip4/1.2.3.4/tcp/1",)
