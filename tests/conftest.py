@@ -1,0 +1,52 @@
+import os
+import time
+import uuid
+
+import pytest
+
+from dedloc.config import AveragingConfig, PeerConfig
+from dedloc.peer import Peer, start_peers
+
+
+def run_id() -> str:
+    return "t" + uuid.uuid4().hex[:10]
+
+
+def sessions_alive(pids):
+    """Processes (background runtimes and their p2pd daemons) still in the sessions of ``pids``."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) in pids:
+                    with open(f"/proc/{entry}/stat") as f:
+                        state = f.read().split(") ")[1][0]
+                    with open(f"/proc/{entry}/cmdline") as f:
+                        cmd = f.read().replace("\0", " ")[:60]
+                    if state != "Z":  # exited; only waiting for init to reap it
+                        alive.append(f"{entry} {state} {cmd}")
+            except (ProcessLookupError, PermissionError, FileNotFoundError):
+                pass
+    return alive
+
+
+@pytest.fixture
+def make_peers():
+    """make_peers(n, clients=(indices), averaging=AveragingConfig) -> started peers, closed at teardown."""
+    created: list[Peer] = []
+
+    def make(n: int, clients=(), averaging: AveragingConfig | None = None, **peer_kwargs) -> list[Peer]:
+        rid = run_id()
+        configs = [PeerConfig(run_id=rid, client_mode=i in clients, **peer_kwargs) for i in range(n)]
+        peers = start_peers(configs, averaging or AveragingConfig(matchmaking_time=3, averaging_timeout=20))
+        created.extend(peers)
+        return peers
+
+    yield make
+    pids = [p.runtime.pid for p in created]
+    for p in created:
+        p.close()
+    deadline = time.monotonic() + 10  # SIGKILLed processes take a moment to finish exiting
+    while sessions_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sessions_alive(pids) == [], "a runtime or p2p daemon outlived close()"
