@@ -261,7 +261,7 @@ class PartitionedRound:
             await self._receive(k, header, reader, self.me, self.acc)
         except ConnectionError:
             if is_backup and not self._backup_ok.done():
-                self._backup_ok.set_result(False)
+                self._backup_ok.set_result(True)  # a backup that left holds no copy and serves no failover
             return
         try:
             async with asyncio.timeout_at(self.result_deadline):
@@ -270,10 +270,13 @@ class PartitionedRound:
                     await write_error(writer, self.group.round_id, self._own_error)
                     return
                 if is_backup:
-                    await self._send_result(writer, self.me, self.acc.total_weight)
-                    ack = await read_header(reader)
+                    try:
+                        await self._send_result(writer, self.me, self.acc.total_weight)
+                        acked = (await read_header(reader)).kind == Kind.ACK
+                    except (ConnectionError, asyncio.IncompleteReadError):
+                        acked = True  # the backup is gone: it cannot serve a stale failover
                     if not self._backup_ok.done():
-                        self._backup_ok.set_result(ack.kind == Kind.ACK)
+                        self._backup_ok.set_result(acked)
                     return
                 if not await asyncio.shield(self._backup_ok):
                     await write_error(writer, self.group.round_id, "backup did not confirm the result; fail over")

@@ -1,0 +1,196 @@
+"""Failures with real peers: killed senders and aggregators, hostile members, a busy GIL."""
+
+import asyncio
+import concurrent.futures as cf
+import math
+import time
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+
+from dedloc.averaging.matchmaking import Matchmaker
+from dedloc.averaging.wire import Kind, read_header, write_frame
+from dedloc.config import AveragingConfig, PeerConfig
+from dedloc.errors import AveragingError, RuntimeClosedError
+from dedloc.net import rpc
+from dedloc.net.node import Node
+
+NUMEL = 8_000_000  # ~32 MB: a round lasts long enough to kill a peer in the middle of it
+
+
+def wait_until_matched(peer, step, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not peer.closed_round(step):
+        assert time.monotonic() < deadline, "the group never closed"
+        time.sleep(0.01)
+
+
+def either_reference(results, xs, ws, victim):
+    """Each part of the result is the mean with or without the victim's contribution."""
+    with_v = sum(w * x for w, x in zip(ws, xs)) / sum(ws)
+    idx = [i for i in range(len(xs)) if i != victim]
+    without = sum(ws[i] * xs[i] for i in idx) / sum(ws[i] for i in idx)
+    out = results[0]
+    ok = torch.isclose(out, with_v, atol=1e-5) | torch.isclose(out, without, atol=1e-5)
+    assert bool(ok.all()), f"{int((~ok).sum())} elements match neither reference"
+
+
+def run_with_victim(peers, victim, ws, averaging_timeout):
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(NUMEL, generator=gen) for _ in peers]
+    originals = [x.clone() for x in xs]
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(len(peers)) as pool:
+        futs = [pool.submit(p.average, x, step=0, weight=w, expected_peers=len(peers)) for p, x, w in zip(peers, xs, ws)]
+        wait_until_matched(peers[0], 0)
+        peers[victim].runtime.kill()
+        outcomes = []
+        for i, f in enumerate(futs):
+            try:
+                outcomes.append(f.result(timeout=averaging_timeout + 30))
+            except (AveragingError, RuntimeClosedError) as e:
+                outcomes.append(e)
+    return xs, originals, outcomes, time.monotonic() - t0
+
+
+def test_sender_killed_mid_round(make_peers):
+    """The client-mode peer only sends: survivors average without (part of) it, identically."""
+    peers = make_peers(4, clients=(3,), averaging=AveragingConfig(matchmaking_time=3, averaging_timeout=30))
+    ws = [1.0, 2.0, 3.0, 4.0]
+    xs, originals, outcomes, _ = run_with_victim(peers, 3, ws, 30)
+    assert isinstance(outcomes[3], RuntimeClosedError)
+    survivors = [xs[i] for i in range(3)]
+    for i in range(3):
+        assert isinstance(outcomes[i], dict), outcomes[i]
+        assert torch.equal(survivors[i], survivors[0])
+    either_reference(survivors, originals, ws, 3)
+
+
+def test_aggregator_killed_mid_round(make_peers):
+    peers = make_peers(4, averaging=AveragingConfig(matchmaking_time=3, averaging_timeout=30))
+    victim = max(range(4), key=lambda i: peers[i].peer_id)  # not the leader
+    ws = [1.0, 2.0, 3.0, 4.0]
+    xs, originals, outcomes, _ = run_with_victim(peers, victim, ws, 30)
+    alive = [i for i in range(4) if i != victim]
+    for i in alive:
+        assert isinstance(outcomes[i], dict), outcomes[i]
+        assert torch.equal(xs[i], xs[alive[0]])
+    assert sum(outcomes[i]["failovers"] for i in alive) >= 1
+    either_reference([xs[alive[0]]], originals, ws, victim)
+
+
+def test_round_that_cannot_complete_fails_cleanly_and_keeps_tensors(make_peers):
+    """A parameter server (the only aggregator) dies: its clients get an error in time, tensors intact."""
+    timeout = 10
+    peers = make_peers(3, clients=(1, 2), averaging=AveragingConfig(matchmaking_time=3, averaging_timeout=timeout))
+    xs, originals, outcomes, elapsed = run_with_victim(peers, 0, [1.0, 1.0, 1.0], timeout)
+    for i in (1, 2):
+        assert isinstance(outcomes[i], AveragingError), outcomes[i]
+        assert torch.equal(xs[i], originals[i]), "a failed round must leave the local tensor intact"
+    assert elapsed < 2 * 3 + timeout + 10
+
+
+def test_hostile_member_and_hostile_streams_are_rejected(make_peers):
+    peers = make_peers(3, averaging=AveragingConfig(matchmaking_time=3, averaging_timeout=20))
+    numel = 3001
+    ws = [1.0, 2.0, 3.0]
+    gen = torch.Generator().manual_seed(9)
+    honest_inputs = {step: [torch.randn(numel, generator=gen) for _ in peers] for step in range(3)}
+
+    def honest():
+        out = {}
+        with cf.ThreadPoolExecutor(3) as pool:
+            for step in range(3):
+                xs = [x.clone() for x in honest_inputs[step]]
+                stats = list(pool.map(lambda a: a[0].average(a[1], step=step, weight=a[2], expected_peers=4),
+                                      zip(peers, xs, ws)))
+                out[step] = (xs, stats)
+        return out
+
+    async def hostile(initial):
+        node = await Node.create(PeerConfig(run_id=peers[0].config.run_id, initial_peers=tuple(initial)))
+        answers = {}
+        try:
+            mm = Matchmaker(node, AveragingConfig(matchmaking_time=3), share=0.0)
+            for step, mode in enumerate(["nan", "size", "dtype"]):
+                group = await mm.form_group(step, 5.0, expected_peers=4)
+                bounds = group.part_bounds(numel)
+                for j in group.aggregators:
+                    s, e = bounds[j]
+                    bad = {"nan": torch.full((e - s,), math.nan), "size": torch.zeros(e - s + 7),
+                           "dtype": torch.zeros(e - s, dtype=torch.float16)}[mode]
+                    _, r, w = await node.p2p.call_binary_stream_handler(
+                        PeerID.from_base58(group.members[j].peer_id), f"dedloc.{node.config.run_id}.allreduce")
+                    await write_frame(w, Kind.CONTRIB, group.round_id, j, 5.0, bad)
+                    answers[(step, j)] = (await asyncio.wait_for(read_header(r), 20)).kind
+                    w.close()
+            # garbage and a version mismatch on the averaging stream, and a bad join request
+            target = PeerID.from_base58(peers[0].peer_id)
+            _, r, w = await node.p2p.call_binary_stream_handler(target, f"dedloc.{node.config.run_id}.allreduce")
+            w.write(b"GARBAGE!" * 8)
+            answers["garbage"] = (await asyncio.wait_for(read_header(r), 10)).kind
+            answers["join"] = await rpc.call(node.p2p, target, f"dedloc.{node.config.run_id}.join",
+                                             {"v": 99, "step": 1}, timeout=10)
+        finally:
+            await node.shutdown()
+        return answers
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(honest)
+        answers = asyncio.run(hostile(peers[0].maddrs))
+        results = fut.result(timeout=120)
+    for step in range(3):
+        xs, stats = results[step]
+        ref = sum(w * x for w, x in zip(ws, honest_inputs[step])) / sum(ws)
+        for x in xs:
+            assert torch.equal(x, xs[0])
+        torch.testing.assert_close(xs[0], ref, atol=1e-5, rtol=1e-5)
+        excluded = set().union(*(s["excluded"] for s in stats))
+        assert len(excluded) == 1 and excluded.isdisjoint({p.peer_id for p in peers}), excluded
+        assert all(s["group_size"] == 4 for s in stats)
+    # the hostile member still got results (it is told nothing it could not compute itself)
+    assert all(kind == Kind.RESULT for key, kind in answers.items() if isinstance(key, tuple))
+    assert answers["garbage"] == Kind.ERROR
+    assert "version mismatch" in answers["join"]["error"]
+    # honest peers carry on
+    xs = [torch.ones(10) * i for i in range(3)]
+    with cf.ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda a: a[0].average(a[1], step=10, weight=1.0, expected_peers=3), zip(peers, xs)))
+    assert torch.equal(xs[0], torch.ones(10))
+
+
+def test_local_nan_and_bad_tensor_refused_before_sending(make_peers):
+    (peer,) = make_peers(1)
+    x = torch.ones(4)
+    x[1] = math.inf
+    with pytest.raises(AveragingError, match="NaN or inf"):
+        peer.average(x, step=0, weight=1.0)
+    with pytest.raises(AveragingError, match="floating-point"):
+        peer.average(torch.ones(3, dtype=torch.int64), step=1, weight=1.0)
+    with pytest.raises(AveragingError, match="weight"):
+        peer.average(torch.ones(3), step=2, weight=-1.0)
+    y = torch.arange(6.0).reshape(2, 3)
+    peer.average(y, step=3, weight=2.0)  # alone: the mean is itself
+    assert torch.equal(y, torch.arange(6.0).reshape(2, 3))
+
+
+def test_busy_training_thread_does_not_stall_networking(make_peers):
+    """Both peers' training threads hold the GIL far longer than the averaging timeout."""
+    import sys
+
+    timeout = 4.0
+    peers = make_peers(2, averaging=AveragingConfig(matchmaking_time=2, averaging_timeout=timeout))
+    xs = [torch.zeros(100_000), torch.ones(100_000)]
+    pending = [p.average_async(x, step=0, weight=1.0, expected_peers=2) for p, x in zip(peers, xs)]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)  # no other thread of this process runs during the loop
+    try:
+        t0, spins = time.perf_counter(), 0
+        while time.perf_counter() - t0 < 2 * 2 + timeout + 3:
+            spins += 1
+    finally:
+        sys.setswitchinterval(old)
+    stats = [finish() for _, finish in pending]
+    assert all(s["group_size"] == 2 for s in stats)
+    assert torch.equal(xs[0], torch.full((100_000,), 0.5)) and torch.equal(xs[1], xs[0])
