@@ -1,0 +1,57 @@
+"""Joining, identity, and leaving cleanly (close, Ctrl+C, a killed training process)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import sessions_alive
+from dedloc import JoinError, Peer, PeerConfig
+
+
+def test_identity_persists_across_restarts(tmp_path):
+    path = str(tmp_path / "peer.key")
+    with Peer(PeerConfig(run_id="ident", identity_path=path)) as a:
+        first = a.peer_id
+    with Peer(PeerConfig(run_id="ident", identity_path=path)) as b:
+        assert b.peer_id == first
+
+
+def test_unreachable_initial_peer_is_a_clear_error():
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWLrqEJY5XQxXrfrsJsV9T57JFrx9DEkqjut99TdPL7ndm"
+    t0 = time.monotonic()
+    with pytest.raises(JoinError, match="could not join.*127.0.0.1/tcp/9"):
+        Peer(PeerConfig(run_id="x", initial_peers=(dead,), startup_timeout=15))
+    assert time.monotonic() - t0 < 40
+    with pytest.raises(JoinError, match="not a full multiaddr"):
+        Peer(PeerConfig(run_id="x", initial_peers=("/ip4/127.0.0.1/tcp/9",)))
+
+
+SCRIPT = textwrap.dedent("""
+    import sys, time
+    from dedloc import Peer, PeerConfig
+    peer = Peer(PeerConfig(run_id="sig"))
+    print(peer.runtime.pid, flush=True)
+    while True:
+        time.sleep(0.1)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_interrupted_or_killed_training_process_leaves_nothing(sig):
+    before = {f for f in os.listdir("/tmp") if f.startswith("hivemind-")}
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, text=True)
+    runtime_pid = int(proc.stdout.readline())
+    assert sessions_alive([runtime_pid]), "the runtime and its daemon should be running"
+    proc.send_signal(sig)
+    proc.wait(30)
+    deadline = time.monotonic() + 30  # after SIGKILL the runtime notices the closed socket and shuts down
+    while sessions_alive([runtime_pid]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sessions_alive([runtime_pid]) == []
+    after = {f for f in os.listdir("/tmp") if f.startswith("hivemind-")}
+    assert after - before == set(), f"stale socket files: {after - before}"
