@@ -1,0 +1,152 @@
+"""All-reduce benchmark: dedloc vs torch.distributed gloo vs hivemind's DecentralizedAverager.
+
+Prints one JSON line per size. All three run in this script, one after another, on loopback,
+with ``--peers`` processes each. Times are the slowest peer's, the median over ``--repeats``.
+  dedloc_s        our all-reduce alone (after matchmaking), the figure to compare with gloo
+  dedloc_total_s  matchmaking included, the figure to compare with hivemind's step()
+  vs_gloo         gloo_s / dedloc_s;  vs_hivemind  hivemind_s / dedloc_total_s
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+import torch
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(s[-1], 1)
+    return int(float(s[:-1] if s[-1] in "KM" else s) * mult)
+
+
+# ---- gloo -------------------------------------------------------------------------------------------
+def _gloo_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    res = {}
+    for n in sizes:
+        x = torch.randn(n)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - t)
+        res[n] = times
+    out.put((rank, res))
+    dist.destroy_process_group()
+
+
+def bench_gloo(peers: int, sizes: list[int], repeats: int) -> dict[int, float]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = 29500 + os.getpid() % 1000
+    procs = [ctx.Process(target=_gloo_worker, args=(r, peers, port, sizes, repeats, q)) for r in range(peers)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join(60)
+    return {n: statistics.median(max(r[n][i] for _, r in results) for i in range(repeats)) for n in sizes}
+
+
+# ---- hivemind ---------------------------------------------------------------------------------------
+def _hivemind_worker(rank: int, initial, sizes: list[int], repeats: int, peers: int, out, ready) -> None:
+    import hivemind
+
+    torch.set_num_threads(1)
+    dht = hivemind.DHT(initial_peers=initial, start=True)
+    if rank == 0:
+        ready.put([str(a) for a in dht.get_visible_maddrs()])
+    res = {}
+    for n in sizes:
+        avg = hivemind.averaging.DecentralizedAverager([torch.randn(n)], dht, prefix=f"bench{n}", start=True,
+                                                       target_group_size=peers, min_matchmaking_time=1.0,
+                                                       request_timeout=10, allreduce_timeout=600)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            avg.step(timeout=900)
+            times.append(time.perf_counter() - t)
+        res[n] = times
+        avg.shutdown()
+    out.put((rank, res))
+    dht.shutdown()
+
+
+def bench_hivemind(peers: int, sizes: list[int], repeats: int) -> dict[int, float]:
+    ctx = mp.get_context("fork")  # hivemind's averager is a fork-started process
+    q, ready = ctx.Queue(), ctx.Queue()
+    first = ctx.Process(target=_hivemind_worker, args=(0, None, sizes, repeats, peers, q, ready))
+    first.start()
+    initial = ready.get(timeout=120)
+    procs = [first] + [ctx.Process(target=_hivemind_worker, args=(r, initial, sizes, repeats, peers, q, ready))
+                       for r in range(1, peers)]
+    for p in procs[1:]:
+        p.start()
+    results = [q.get(timeout=3600) for _ in procs]
+    for p in procs:
+        p.join(60)
+    return {n: statistics.median(max(r[n][i] for _, r in results) for i in range(repeats)) for n in sizes}
+
+
+# ---- dedloc -----------------------------------------------------------------------------------------
+def bench_dedloc(peers: int, sizes: list[int], repeats: int, compression: str) -> dict[int, tuple[float, float]]:
+    from dedloc import AveragingConfig, PeerConfig
+    from dedloc.peer import start_peers
+
+    cfg = AveragingConfig(matchmaking_time=2.0, averaging_timeout=900, compression=compression)
+    group = start_peers([PeerConfig(run_id=f"bench{os.getpid()}", log_level="WARNING") for _ in range(peers)], cfg)
+    out, step = {}, 0
+    try:
+        with cf.ThreadPoolExecutor(peers) as pool:
+            for n in [1024] + sizes:  # the first round opens connections
+                xs = [torch.randn(n) for _ in group]
+                runs = []
+                for _ in range(repeats if n in sizes else 1):
+                    t = time.perf_counter()
+                    stats = list(pool.map(lambda a: a[0].average(a[1], step=step, weight=1.0, expected_peers=peers),
+                                          zip(group, xs)))
+                    total = time.perf_counter() - t
+                    runs.append((max(s["allreduce_s"] for s in stats), total))
+                    step += 1
+                if n in sizes:
+                    out[n] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+    finally:
+        for p in group:
+            p.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1M,16M,64M")
+    ap.add_argument("--peers", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compression", default="none", choices=["none", "float16"])
+    ap.add_argument("--skip-hivemind", action="store_true")
+    args = ap.parse_args()
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    ours = bench_dedloc(args.peers, sizes, args.repeats, args.compression)
+    gloo = bench_gloo(args.peers, sizes, args.repeats)
+    hm = {} if args.skip_hivemind else bench_hivemind(args.peers, sizes, args.repeats)
+    for n in sizes:
+        d, dt = ours[n]
+        row = {"numel": n, "peers": args.peers, "compression": args.compression, "dedloc_s": round(d, 4),
+               "dedloc_total_s": round(dt, 4), "gloo_s": round(gloo[n], 4), "hivemind_s": round(hm[n], 4) if hm else None,
+               "vs_gloo": round(gloo[n] / d, 3), "vs_hivemind": round(hm[n] / dt, 3) if hm else None,
+               "dedloc_MBps": round(n * 4 / d / 1e6, 1), "gloo_MBps": round(n * 4 / gloo[n] / 1e6, 1)}
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
