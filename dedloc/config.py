@@ -84,6 +84,53 @@ class AveragingConfig:
         return self
 
 
+@dataclass
+class OptimizerConfig:
+    """How the collaborative optimizer turns many peers' micro-batches into one large-batch step."""
+
+    target_batch_size: int = 4096
+    """Samples the whole collaboration processes per optimizer step (the global batch)."""
+    delay_updates: bool = False
+    """Delayed parameter updates: average and step in the background while the next step's
+    micro-batches are computed (one step of staleness; peers stay identical)."""
+    clip_grad_norm: float | None = None
+    """Clip the averaged gradient to this global L2 norm before the step (None: no clipping)."""
+    max_gather_wait: float = 30.0
+    """Longest a peer waits at the step boundary for slower peers' in-flight micro-batches."""
+    state_timeout: float = 120.0
+    """Deadline for downloading the collaboration's state when joining or resyncing."""
+    verify_sync: bool = True
+    """Publish a hash of the parameters after each step; a peer that disagrees with the majority
+    downloads the state again."""
+
+    def validate(self) -> "OptimizerConfig":
+        _check(self.target_batch_size >= 1, "target_batch_size", "must be >= 1")
+        _check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm", "must be > 0 or None")
+        _check(self.max_gather_wait >= 0, "max_gather_wait", "must be >= 0")
+        _check(self.state_timeout > 0, "state_timeout", "must be > 0")
+        return self
+
+
+@dataclass
+class BackboneConfig:
+    """A backbone peer: keeps the DHT alive, pulls the state, writes checkpoints, serves newcomers."""
+
+    checkpoint_dir: str = "checkpoints"
+    """Where checkpoints go (created if missing)."""
+    checkpoint_interval: float = 60.0
+    """Seconds between state pulls; a checkpoint is written when the step has advanced."""
+    keep_checkpoints: int = 3
+    """How many of the newest checkpoints to keep."""
+    resume: bool = True
+    """Load the newest checkpoint at start and serve it (resuming a stopped collaboration)."""
+
+    def validate(self) -> "BackboneConfig":
+        _check(bool(self.checkpoint_dir), "checkpoint_dir", "must be a path")
+        _check(self.checkpoint_interval > 0, "checkpoint_interval", "must be > 0")
+        _check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+        return self
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
@@ -98,4 +145,4 @@ def from_dict(cls: type, data: dict[str, Any]) -> Any:
     return obj.validate()
 
 
-__all__ = ["PeerConfig", "AveragingConfig", "to_dict", "from_dict", "field"]
+__all__ = ["PeerConfig", "AveragingConfig", "OptimizerConfig", "BackboneConfig", "to_dict", "from_dict", "field"]

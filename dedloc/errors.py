@@ -31,3 +31,7 @@ class AveragingError(DedlocError):
 
 class RuntimeClosedError(DedlocError):
     """The background networking process is gone (closed or crashed)."""
+
+
+class StateError(DedlocError):
+    """No peer could provide the collaboration's training state (joining or resyncing failed)."""

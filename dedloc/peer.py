@@ -52,6 +52,27 @@ class Peer:
     def collaboration(self) -> CollaborationView:
         return CollaborationView.build(self.runtime.call("read_progress"))
 
+    def report(self, record: ProgressRecord) -> tuple[CollaborationView, bool]:
+        """Publish ``record`` and read everyone's in one call; also returns whether a peer wants our state."""
+        records, wanted = self.runtime.call("report", record.to_wire(), self.config.progress_ttl)
+        return CollaborationView.build(records), wanted
+
+    def leave(self) -> None:
+        """Announce that this peer left (others stop waiting for it); close() still has to be called."""
+        self.runtime.call("leave", 2 * self.config.progress_ttl)
+
+    # ---- training state ---------------------------------------------------------------------------------
+    def offer_state(self, step: int, blob: bytes) -> None:
+        """Make ``blob`` (a state at ``step``, see state/snapshot.py) available to peers that ask for it."""
+        self.runtime.call("offer_state", step, blob)
+
+    def download_state(self, donors: list[str], min_step: int, timeout: float) -> tuple[int, bytes, str]:
+        """Download a state at step >= ``min_step`` from the first of ``donors`` that has one.
+
+        Returns (step, blob, donor); raises StateError naming each donor's failure.
+        """
+        return self.runtime.call("download_state", list(donors), min_step, timeout, timeout=timeout + 30)
+
     # ---- averaging ------------------------------------------------------------------------------------
     def _buffer(self, numel: int) -> torch.Tensor:
         if numel not in self._buffers:
@@ -61,13 +82,14 @@ class Peer:
         return self._buffers[numel].tensor
 
     def average_async(self, tensor: torch.Tensor, *, step: int, weight: float, expected_peers: int | None = None,
-                      timeout: float | None = None):
+                      timeout: float | None = None, gather_time: float | None = None):
         """Start averaging; returns (future of stats, finish) where finish() copies the result back."""
         if not tensor.is_floating_point():
             raise AveragingError(f"can only average floating-point tensors, got {tensor.dtype}")
         buf = self._buffer(tensor.numel())
-        buf.copy_(tensor.detach().reshape(-1))
-        fut = self.runtime.call_async("average", f"b{tensor.numel()}", step, float(weight), expected_peers, timeout)
+        buf.copy_(tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32))
+        fut = self.runtime.call_async("average", f"b{tensor.numel()}", step, float(weight), expected_peers, timeout,
+                                      gather_time)
 
         def finish() -> dict[str, Any]:
             stats = fut.result()
@@ -78,10 +100,13 @@ class Peer:
         return fut, finish
 
     def average(self, tensor: torch.Tensor, *, step: int, weight: float, expected_peers: int | None = None,
-                timeout: float | None = None) -> dict[str, Any]:
-        """Replace ``tensor`` by the sample-weighted mean over this step's group; return round stats."""
+                timeout: float | None = None, gather_time: float | None = None) -> dict[str, Any]:
+        """Replace ``tensor`` by the sample-weighted mean over this step's group; return round stats.
+
+        Matchmaking waits up to ``gather_time`` (default: matchmaking_time) for ``expected_peers``.
+        """
         _, finish = self.average_async(tensor, step=step, weight=weight, expected_peers=expected_peers,
-                                       timeout=timeout)
+                                       timeout=timeout, gather_time=gather_time)
         return finish()
 
     def closed_round(self, step: int) -> dict[str, list[str]]:

@@ -20,6 +20,11 @@ class Role(str, enum.Enum):
     TRAINER = "trainer"
     AGGREGATOR = "aggregator"  # aggregates, trains nothing (weight 0)
     CLIENT = "client"  # trains, accepts no inbound connections, never aggregates
+    BACKBONE = "backbone"  # keeps the DHT alive, holds checkpoints, serves state; trains nothing
+
+    @property
+    def trains(self) -> bool:
+        return self in (Role.TRAINER, Role.CLIENT)
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,10 @@ class ProgressRecord:
     bandwidth: float = 0.0
     """Estimated bytes/s this peer can move (min of upload and download), 0 if unknown."""
     time: float = 0.0
+    busy_until: float = 0.0
+    """When this peer expects to finish the micro-batch it is computing (0: idle)."""
+    fingerprint: str = ""
+    """``"<applied step>:<hash of parameters>"``; peers at the same applied step must agree."""
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
@@ -47,11 +56,12 @@ class ProgressRecord:
         try:
             rec = cls(peer_id=peer_id, step=int(obj["step"]), samples=int(obj["samples"]),
                       samples_per_second=float(obj["samples_per_second"]), role=Role(obj["role"]),
-                      bandwidth=float(obj.get("bandwidth", 0.0)), time=float(obj.get("time", 0.0)))
+                      bandwidth=float(obj.get("bandwidth", 0.0)), time=float(obj.get("time", 0.0)),
+                      busy_until=float(obj.get("busy_until", 0.0)), fingerprint=str(obj.get("fingerprint", "")))
         except (KeyError, TypeError, ValueError, AttributeError):
             logger.debug(f"ignoring malformed progress record from {peer_id}")
             return None
-        numbers = (rec.samples_per_second, rec.bandwidth, rec.time)
+        numbers = (rec.samples_per_second, rec.bandwidth, rec.time, rec.busy_until)
         if rec.step < 0 or rec.samples < 0 or not all(math.isfinite(x) and x >= 0 for x in numbers):
             logger.debug(f"ignoring out-of-range progress record from {peer_id}")
             return None
@@ -82,9 +92,27 @@ class CollaborationView:
     def samples(self) -> int:
         return sum(r.samples for r in self.current)
 
+    def trainers_at(self, step: int) -> tuple[ProgressRecord, ...]:
+        """Training peers (trainers and clients) accumulating for ``step``."""
+        return tuple(r for r in self.peers if r.step == step and r.role.trains)
+
+    def samples_at(self, step: int) -> int:
+        return sum(r.samples for r in self.trainers_at(step))
+
+    def consensus_fingerprint(self, applied_step: int) -> str | None:
+        """The parameter fingerprint most peers at ``applied_step`` report (ties: the smallest peer id's)."""
+        prefix = f"{applied_step}:"
+        votes: dict[str, list[str]] = {}
+        for r in self.peers:
+            if r.fingerprint.startswith(prefix):
+                votes.setdefault(r.fingerprint, []).append(r.peer_id)
+        if not votes:
+            return None
+        return min(votes, key=lambda fp: (-len(votes[fp]), min(votes[fp])))
+
     @property
     def samples_per_second(self) -> float:
-        return sum(r.samples_per_second for r in self.current if r.role != Role.AGGREGATOR)
+        return sum(r.samples_per_second for r in self.current if r.role.trains)
 
     def eta(self, target_batch_size: int) -> float:
         """Seconds until the collaboration reaches the target, extrapolating from each record's time."""

@@ -6,6 +6,7 @@ names in ``PUBLIC`` can be called.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -16,17 +17,18 @@ from dedloc.errors import DedlocError
 from dedloc.net.node import Node
 from dedloc.net.runtime import SharedBuffer
 from dedloc.records import ProgressRecord
+from dedloc.state.transfer import StateServer
 
 logger = logging.getLogger(__name__)
 
 
 class PeerService:
     PUBLIC = frozenset({"info", "publish_progress", "read_progress", "register_buffer", "average", "ping",
-                        "closed_round"})
+                        "closed_round", "report", "offer_state", "download_state", "leave"})
 
-    def __init__(self, node: Node, averager: Averager):
-        self.node, self.averager = node, averager
-        self.buffers: dict[str, torch.Tensor] = {}
+    def __init__(self, node: Node, averager: Averager, states: StateServer):
+        self.node, self.averager, self.states = node, averager, states
+        self.buffers: dict[str, SharedBuffer] = {}
 
     @classmethod
     async def create(cls, peer_config: PeerConfig, averaging_config: AveragingConfig) -> "PeerService":
@@ -34,12 +36,14 @@ class PeerService:
         try:
             averager = Averager(node, averaging_config)
             await averager.start()
+            states = StateServer(node)
+            await states.start()
         except BaseException:
             await node.shutdown()
             raise
         mode = "client mode" if peer_config.client_mode else "reachable"
         logger.info(f"joined run {peer_config.run_id!r} as {node.peer_id.to_base58()} ({mode})")
-        return cls(node, averager)
+        return cls(node, averager, states)
 
     async def info(self) -> dict[str, Any]:
         return {"peer_id": self.node.peer_id.to_base58(), "maddrs": await self.node.visible_maddrs(),
@@ -52,8 +56,26 @@ class PeerService:
         return await self.node.store(self.node.key("progress"), self.node.peer_id.to_base58(), record, ttl)
 
     async def read_progress(self) -> list[ProgressRecord]:
-        entries = await self.node.get(self.node.key("progress"))
-        return [r for p, (v, _) in entries.items() if (r := ProgressRecord.from_wire(p, v)) is not None]
+        entries, left = await asyncio.gather(self.node.get(self.node.key("progress")),
+                                             self.node.get(self.node.key("left")))
+        return [r for p, (v, _) in entries.items()
+                if p not in left and (r := ProgressRecord.from_wire(p, v)) is not None]
+
+    async def report(self, record: dict[str, Any], ttl: float) -> tuple[list[ProgressRecord], bool]:
+        """Publish this peer's progress, then read everyone's; also says whether a newcomer wants our state."""
+        self.states.training_step = int(record["step"])
+        await self.publish_progress(record, ttl)
+        return await self.read_progress(), self.states.wanted
+
+    async def leave(self, ttl: float) -> None:
+        """Tell the others this peer left, so they stop waiting for it before its record expires."""
+        await self.node.store(self.node.key("left"), self.node.peer_id.to_base58(), True, ttl)
+
+    async def offer_state(self, step: int, blob: bytes) -> None:
+        await self.states.offer(step, blob)
+
+    async def download_state(self, donors: list[str], min_step: int, timeout: float) -> tuple[int, bytes, str]:
+        return await self.states.download(donors, min_step, timeout)
 
     async def register_buffer(self, name: str, shm_name: str, numel: int) -> None:
         if name in self.buffers:
@@ -61,10 +83,11 @@ class PeerService:
         self.buffers[name] = SharedBuffer(numel, shm_name)
 
     async def average(self, name: str, step: int, weight: float, expected_peers: int | None = None,
-                      timeout: float | None = None) -> dict[str, Any]:
+                      timeout: float | None = None, gather_time: float | None = None) -> dict[str, Any]:
         if name not in self.buffers:
             raise DedlocError(f"unknown buffer {name!r}")
-        return await self.averager.average(self.buffers[name].tensor, step, weight, expected_peers, timeout)
+        return await self.averager.average(self.buffers[name].tensor, step, weight, expected_peers, timeout,
+                                           gather_time)
 
     async def closed_round(self, step: int) -> dict[str, list[str]]:
         return await self.averager.matchmaker.closed_round(step)

@@ -118,7 +118,7 @@ class Averager:
 
     # ---- the entry point ----------------------------------------------------------------------------
     async def average(self, tensor: torch.Tensor, step: int, weight: float, expected_peers: int | None = None,
-                      timeout: float | None = None) -> dict[str, Any]:
+                      timeout: float | None = None, gather_time: float | None = None) -> dict[str, Any]:
         """Average ``tensor`` (flat, float32, CPU) in place with this step's group.
 
         Returns stats: group size, members, weights, excluded peers, failovers and timings.
@@ -133,7 +133,7 @@ class Averager:
             raise AveragingError(f"step {step}: local tensor has NaN or inf values; refusing to send it")
         timeout = timeout or self.config.averaging_timeout
         t0 = time.perf_counter()
-        group = await self.matchmaker.form_group(step, weight, expected_peers)
+        group = await self.matchmaker.form_group(step, weight, expected_peers, gather_time)
         t1 = time.perf_counter()
         me = group.index(self.me)
         stats: dict[str, Any] = {"step": step, "group_size": len(group.members),

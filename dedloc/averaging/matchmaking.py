@@ -101,14 +101,19 @@ class Matchmaker:
         return None
 
     # ---- entry point -----------------------------------------------------------------------------
-    async def form_group(self, step: int, weight: float, expected_peers: int | None = None) -> Group:
-        """Agree on this step's group; raises MissedRoundError or MatchmakingError."""
+    async def form_group(self, step: int, weight: float, expected_peers: int | None = None,
+                         gather_time: float | None = None) -> Group:
+        """Agree on this step's group; raises MissedRoundError or MatchmakingError.
+
+        Waits up to ``gather_time`` (default: matchmaking_time) for ``expected_peers`` to be ready.
+        """
         loop = asyncio.get_running_loop()
         t = self.config.matchmaking_time
-        gather_deadline = loop.time() + t
+        gather = t if gather_time is None else max(0.0, gather_time)
+        gather_deadline = loop.time() + gather
         me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client)
         await self.node.store(self.node.key("ready", step), self.me, {"w": me.weight, "s": me.share, "c": me.client},
-                              ttl=3 * t + self.config.averaging_timeout)
+                              ttl=3 * t + gather + self.config.averaging_timeout)
         while True:
             ready = await self._ready(step, me)
             if (expected_peers and len(ready) >= expected_peers) or loop.time() >= gather_deadline:
@@ -124,7 +129,7 @@ class Matchmaker:
             raise MatchmakingError(f"step {step}: no reachable (non-client) peer is ready to aggregate")
         if candidates[0] == self.me:
             return await self._run_lead(step, me, expected_peers, loop.time() + t)
-        return await self._run_follow(step, me, candidates, loop.time() + 2 * t)
+        return await self._run_follow(step, me, candidates, loop.time() + 2 * t, gather)
 
     # ---- leader ----------------------------------------------------------------------------------
     async def _run_lead(self, step: int, me: Member, expected: int | None, close_deadline: float) -> Group:
@@ -161,13 +166,14 @@ class Matchmaker:
                 raise ProtocolError(f"protocol version mismatch: ours is {VERSION}, theirs is {theirs}")
             step = int(request["step"])
             member = _parse_entry(peer, request)
+            gather = min(max(float(request.get("g", 0.0)), 0.0), 600.0)
             if member is None or step < 0:
                 raise ProtocolError("malformed join request")
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
             logger.warning(f"refused join request from {peer}: {e}")
             return {"error": str(e)}
         try:
-            await asyncio.wait_for(self._decision(step).wait(), 2 * self.config.matchmaking_time)
+            await asyncio.wait_for(self._decision(step).wait(), 2 * self.config.matchmaking_time + gather)
         except asyncio.TimeoutError:
             return {"error": f"not matchmaking for step {step}"}
         if step in self._follow and step not in self._lead:
@@ -188,10 +194,11 @@ class Matchmaker:
         return {"group": state.group.to_wire()} if state.group else {"missed": True}
 
     # ---- follower --------------------------------------------------------------------------------
-    async def _run_follow(self, step: int, me: Member, candidates: list[str], deadline: float) -> Group:
+    async def _run_follow(self, step: int, me: Member, candidates: list[str], deadline: float,
+                          gather: float = 0.0) -> Group:
         loop = asyncio.get_running_loop()
         self._decision(step).set()
-        request = {"v": VERSION, "step": step, "w": me.weight, "s": me.share, "c": me.client}
+        request = {"v": VERSION, "step": step, "w": me.weight, "s": me.share, "c": me.client, "g": gather}
         tried: set[str] = set()
         leader = candidates[0]
         for _ in range(8):

@@ -1,0 +1,3 @@
+from dedloc.optim.optimizer import CollaborativeOptimizer, StepOutcome
+
+__all__ = ["CollaborativeOptimizer", "StepOutcome"]

@@ -1,0 +1,341 @@
+"""The collaborative optimizer: many peers' micro-batches become one large-batch optimizer step.
+
+Usage (an ordinary training loop, plus two lines)::
+
+    opt = CollaborativeOptimizer(torch.optim.AdamW(model.parameters()), peer,
+                                 OptimizerConfig(target_batch_size=4096), scheduler=sched, model=model)
+    for batch in loader:
+        model(**batch).loss.backward()
+        opt.step(batch_size=len(batch["input_ids"]))   # accumulates; steps when the collaboration is full
+
+Guarantees:
+- *Large-batch equivalence.* Each global step applies the gradient of the mean loss over exactly
+  the samples the collaboration processed for it (micro-batch gradients weighted by size), once,
+  with the same optimizer, scheduler and clipping on every peer.
+- *Bounded batch.* A peer starts a micro-batch only after reading (from the DHT, after publishing
+  its own count) that the collaboration is below ``target_batch_size``; so a step's realised batch
+  is in ``[B, B + one micro-batch per peer)`` unless peers fail.
+- *Identical parameters.* All peers in a round apply the same averaged gradient. A peer that
+  missed a round, failed one, or whose parameter hash disagrees with the majority drops its local
+  gradients and downloads the state (parameters, optimizer, scheduler, scale, step) from a peer.
+- *Delayed updates* (``delay_updates``): the round for step s runs in the background while step
+  s+1's micro-batches are computed; the update is applied between micro-batches, and always
+  before the round for s+1 starts (staleness at most one step).
+- The scheduler and the logs follow the global step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import enum
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from dedloc.config import OptimizerConfig
+from dedloc.errors import AveragingError, MatchmakingError, RuntimeClosedError, StateError
+from dedloc.optim.accumulator import GradientAccumulator
+from dedloc.optim.scaling import CollaborativeScale
+from dedloc.peer import Peer
+from dedloc.records import CollaborationView, ProgressRecord, Role
+from dedloc.state import snapshot
+
+logger = logging.getLogger(__name__)
+
+
+class StepOutcome(str, enum.Enum):
+    ACCUMULATED = "accumulated"  # the micro-batch was added; the global batch is not full yet
+    STEPPED = "stepped"  # the micro-batch closed a global step (applied now, or later with delayed updates)
+    SKIPPED = "skipped"  # the round ran, but every peer skipped the update (an overflow somewhere)
+    RESYNCED = "resynced"  # this peer was out of sync: local gradients dropped, state downloaded
+
+
+@dataclass
+class RoundRecord:
+    """One global step as this peer saw it."""
+
+    step: int
+    local_samples: int
+    batch: float
+    """Samples in the averaged gradient: the realised global batch."""
+    group_size: int
+    averaging_s: float
+    skipped: bool
+
+
+@dataclass
+class _Inflight:
+    step: int
+    vector: torch.Tensor
+    future: cf.Future
+    finish: Callable[[], dict[str, Any]]
+    local_samples: int
+    started: float
+
+
+class _Ema:
+    def __init__(self, alpha: float = 0.2):
+        self.alpha, self.value = alpha, 0.0
+
+    def update(self, x: float) -> float:
+        self.value = x if self.value == 0 else (1 - self.alpha) * self.value + self.alpha * x
+        return self.value
+
+
+class CollaborativeOptimizer:
+    """Wraps any ``torch.optim`` optimizer (and its scheduler) for a collaboration; see module docs."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, peer: Peer, config: OptimizerConfig | None = None, *,
+                 scheduler: Any = None, scaler: "torch.amp.GradScaler | None" = None,
+                 model: torch.nn.Module | None = None):
+        self.opt, self.peer = optimizer, peer
+        self.config = (config or OptimizerConfig()).validate()
+        self.scheduler, self.model = scheduler, model
+        self.scale = CollaborativeScale(scaler) if scaler is not None else None
+        self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        self.acc = GradientAccumulator(self.params)
+        self.global_step = 0
+        """The global step this peer's micro-batches currently count toward."""
+        self.applied_step = 0
+        """How many global updates the parameters have received (== global_step unless one is in flight)."""
+        self.history: list[RoundRecord] = []
+        self.resyncs = 0
+        self._inflight: _Inflight | None = None
+        self._sps, self._mb_time = _Ema(), _Ema()
+        self._last_end: float | None = None
+        self._fingerprint = self._hash()
+        self._closed = False
+        view = self._report(busy=False)
+        if view.global_step > self.global_step or self._disagrees(view):
+            self._resync(view, "joining a collaboration at step %d" % view.global_step)
+
+    # ---- the training loop's entry points ----------------------------------------------------------------
+    def step(self, batch_size: int) -> StepOutcome:
+        """Add this micro-batch's gradients (call after ``backward``); take the global step when it is due.
+
+        Returns what happened. Raises StateError if this peer is out of sync and no peer can send
+        the state, RuntimeClosedError if the peer was closed.
+        """
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if self._closed:
+            raise RuntimeClosedError("the collaborative optimizer is closed")
+        now = time.monotonic()
+        if self._last_end is not None:
+            dt = max(now - self._last_end, 1e-6)
+            self._mb_time.update(dt)
+            self._sps.update(batch_size / dt)
+        try:
+            self.acc.add(batch_size, self.scale.current() if self.scale else 1.0)
+            self._zero_grads()
+            if self._inflight is not None and self._inflight.future.done() and not self._finish_inflight():
+                return StepOutcome.RESYNCED
+            view = self._report(busy=True)
+            if view.global_step > self.global_step + 1 or self._disagrees(view):
+                self._resync(view, f"the collaboration is at step {view.global_step}" if
+                             view.global_step > self.global_step + 1 else "parameters differ from the majority's")
+                return StepOutcome.RESYNCED
+            if view.samples_at(self.global_step) < self.config.target_batch_size and \
+                    view.global_step <= self.global_step:
+                return StepOutcome.ACCUMULATED
+            return self._round(view)
+        finally:
+            self._last_end = time.monotonic()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._zero_grads()
+
+    def close(self) -> None:
+        """Apply an update still in flight, then tell the others this peer left. Does not close the peer."""
+        if self._closed:
+            return
+        if self._inflight is not None:
+            self._inflight.future.exception()  # wait
+            self._finish_inflight(resync=False)
+        self._closed = True
+        try:
+            self.peer.leave()
+        except Exception as e:
+            logger.debug(f"could not announce leaving: {e!r}")
+
+    @property
+    def view(self) -> CollaborationView:
+        return self.peer.collaboration()
+
+    # ---- one global step ---------------------------------------------------------------------------------
+    def _round(self, view: CollaborationView) -> StepOutcome:
+        if self._inflight is not None:  # delayed updates: the previous step must land first
+            self._inflight.future.exception()
+            if not self._finish_inflight():
+                return StepOutcome.RESYNCED
+        step = self.global_step
+        peers = view.trainers_at(step)
+        me = self.peer.peer_id
+        busy_until = max((r.busy_until for r in peers if r.peer_id != me), default=0.0)
+        gather = min(self.config.max_gather_wait,
+                     max(self.peer.averaging.matchmaking_time, busy_until - time.time() + 1.0))
+        vector, finite = self.acc.export()
+        weight = float(self.acc.samples)
+        if not finite and self.scale is None:
+            logger.warning(f"step {step}: this peer's accumulated gradient has NaN/inf values; "
+                           f"it contributes nothing to this step")
+            vector.zero_()
+            weight = 0.0
+        local_samples = self.acc.samples
+        started = time.monotonic()
+        kwargs = dict(step=step, weight=weight, expected_peers=max(1, len(peers)), gather_time=gather)
+        if self.config.delay_updates:
+            future, finish = self.peer.average_async(vector, **kwargs)
+            self._inflight = _Inflight(step, vector, future, finish, local_samples, started)
+            self.global_step = step + 1
+            self.acc.reset()
+            return StepOutcome.STEPPED
+        try:
+            stats = self.peer.average(vector, **kwargs)
+        except (MatchmakingError, AveragingError) as e:
+            self._resync(self.peer.collaboration(), f"step {step} failed: {e}")
+            return StepOutcome.RESYNCED
+        return self._apply(step, vector, stats, local_samples, started)
+
+    def _finish_inflight(self, resync: bool = True) -> bool:
+        """Apply the finished background round; on failure, resync (returns False)."""
+        inflight, self._inflight = self._inflight, None
+        try:
+            stats = inflight.finish()
+        except (MatchmakingError, AveragingError) as e:
+            if resync:
+                self._resync(self.peer.collaboration(), f"step {inflight.step} failed: {e}")
+            else:
+                logger.warning(f"step {inflight.step} failed while leaving: {e}")
+            return False
+        self._apply(inflight.step, inflight.vector, stats, inflight.local_samples, inflight.started)
+        return True
+
+    def _apply(self, step: int, vector: torch.Tensor, stats: dict[str, Any], local_samples: int,
+               started: float) -> StepOutcome:
+        overflow = bool(vector[-1] > 0)
+        if not overflow:
+            self.acc.load_grads(vector)
+            if self.config.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.params, self.config.clip_grad_norm)
+            self.opt.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        if self.scale is not None:
+            self.scale.update(overflow)
+        self._zero_grads()
+        self.applied_step = step + 1
+        if not self.config.delay_updates:
+            self.global_step = step + 1
+            self.acc.reset()
+        self._fingerprint = self._hash()
+        record = RoundRecord(step, local_samples, float(stats.get("total_weight", local_samples)),
+                             int(stats.get("group_size", 1)), time.monotonic() - started, overflow)
+        self.history.append(record)
+        logger.info(f"step {step} averaged with {record.group_size} peers, batch {record.batch:.0f} samples, "
+                    f"in {record.averaging_s:.2f} s" + (" (overflow: step skipped by all)" if overflow else ""))
+        return StepOutcome.SKIPPED if overflow else StepOutcome.STEPPED
+
+    # ---- progress and sync -------------------------------------------------------------------------------
+    def _report(self, busy: bool) -> CollaborationView:
+        now = time.time()
+        record = ProgressRecord(self.peer.peer_id, self.global_step, self.acc.samples, self._sps.value,
+                                self.peer.role, 0.0, now, now + self._mb_time.value if busy else 0.0,
+                                self._fingerprint)
+        view, wanted = self.peer.report(record)
+        if wanted and self._inflight is None:
+            self.peer.offer_state(self.applied_step, snapshot.encode(self.state_dict()))
+        return view
+
+    def _hash(self) -> str:
+        if not self.config.verify_sync:
+            return ""
+        return f"{self.applied_step}:{snapshot.fingerprint(self.params)}"
+
+    def _disagrees(self, view: CollaborationView) -> bool:
+        if not self.config.verify_sync or self._inflight is not None:
+            return False
+        consensus = view.consensus_fingerprint(self.applied_step)
+        return consensus is not None and consensus != self._fingerprint
+
+    def _donors(self, view: CollaborationView, step: int) -> list[str]:
+        me = self.peer.peer_id
+        consensus = view.consensus_fingerprint(step)
+        ranked: list[tuple[int, float, str]] = []
+        for r in view.peers:
+            if r.peer_id == me or r.role == Role.CLIENT or r.step < step:
+                continue
+            tier = 0 if r.role.trains and (consensus is None or r.fingerprint in ("", consensus)) else \
+                1 if r.role.trains else 2
+            ranked.append((tier, random.random(), r.peer_id))
+        return [p for _, _, p in sorted(ranked)]
+
+    def _resync(self, view: CollaborationView, reason: str) -> None:
+        self._inflight = None
+        self.acc.reset()
+        self._zero_grads()
+        target = view.global_step
+        donors = self._donors(view, target)
+        logger.info(f"out of sync ({reason}): downloading the state of step >= {target}")
+        t0 = time.monotonic()
+        step, blob, donor = self.peer.download_state(donors, target, self.config.state_timeout)
+        self.load_state_dict(snapshot.decode(blob))
+        self.resyncs += 1
+        logger.info(f"state of step {step} downloaded from {donor} ({len(blob) / 1e6:.1f} MB, "
+                    f"{time.monotonic() - t0:.2f} s)")
+        self._report(busy=False)
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a peer needs to continue from here: parameters, optimizer, scheduler, scale, step."""
+        state: dict[str, Any] = {"step": self.applied_step, "optimizer": self.opt.state_dict()}
+        if self.model is not None:
+            state["model"] = self.model.state_dict()
+        else:
+            state["params"] = [p.detach() for p in self.params]
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.scale is not None:
+            state["scaler"] = self.scale.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state from ``state_dict()`` (or a download); raises StateError if it does not fit."""
+        try:
+            self._load(state)
+        except StateError:
+            raise
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise StateError(f"the state does not fit this model/optimizer: {type(e).__name__}: {e}") from None
+
+    def _load(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            if self.model is not None:
+                if "model" not in state:
+                    raise StateError("the downloaded state has no model weights")
+                self.model.load_state_dict(state["model"])
+            else:
+                params = state.get("params")
+                if not isinstance(params, list) or len(params) != len(self.params) or any(
+                        a.shape != b.shape for a, b in zip(params, self.params)):
+                    raise StateError("the downloaded state's parameters do not match this model")
+                for p, v in zip(self.params, params):
+                    p.copy_(v)
+        self.opt.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scale is not None and "scaler" in state:
+            self.scale.load_state_dict(state["scaler"])
+        self.global_step = self.applied_step = int(state["step"])
+        self._fingerprint = self._hash()
+
+    def _zero_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+__all__ = ["CollaborativeOptimizer", "StepOutcome", "RoundRecord"]

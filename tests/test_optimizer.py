@@ -1,0 +1,216 @@
+"""The collaborative optimizer against a single-process large-batch reference."""
+
+import threading
+
+import pytest
+import torch
+
+from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
+from dedloc.optim import CollaborativeOptimizer, StepOutcome
+from dedloc.peer import Peer
+
+from conftest import run_id
+
+N, DIM = 4096, 8
+AVG = AveragingConfig(matchmaking_time=2, averaging_timeout=20)
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, DIM, generator=g)
+    y = torch.sin(x @ torch.randn(DIM, 1, generator=g)) + 0.1 * torch.randn(N, 1, generator=g)
+    return x, y
+
+
+def make_model():
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    g = torch.Generator().manual_seed(1)  # not the global RNG: trainers run in threads
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def make_opt(model, lr=0.1, momentum=0.9):
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    return opt, sched
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+class Trainer(threading.Thread):
+    """One peer's ordinary training loop; logs which samples each global step consumed."""
+
+    def __init__(self, index, peer, cfg, micro, delay=0.0, stop_at=None, steps=8, on_step=None, opt_kwargs=None):
+        super().__init__(daemon=True)
+        self.index, self.peer, self.cfg, self.micro, self.delay = index, peer, cfg, micro, delay
+        self.stop_at, self.steps, self.on_step = stop_at, steps, on_step
+        self.log = {}  # step -> [(ids, loss)] of the micro-batches that step consumed
+        self.losses = {}  # step being accumulated at compute time -> [(n, loss)]
+        self.params = {}  # applied step -> flat params
+        self.error = None
+        self.opt = None
+        self.opt_kwargs = opt_kwargs or {}
+
+    def run(self):
+        try:
+            x, y = data()
+            model = make_model()
+            opt, sched = make_opt(model, **self.opt_kwargs)
+            self.opt = copt = CollaborativeOptimizer(opt, self.peer, self.cfg, scheduler=sched, model=model)
+            self.params[copt.applied_step] = flat(model)
+            order = torch.randperm(N, generator=torch.Generator().manual_seed(100 + self.index))
+            pos, pending = 0, []
+            while copt.global_step < self.steps:
+                if self.stop_at is not None and copt.global_step >= self.stop_at:
+                    break
+                ids = order[pos:pos + self.micro]
+                pos = (pos + self.micro) % (N - self.micro)
+                loss = torch.nn.functional.mse_loss(model(x[ids]), y[ids])
+                loss.backward()
+                if self.delay:
+                    threading.Event().wait(self.delay)  # a slower device
+                pending.append((ids, loss.item()))
+                self.losses.setdefault(copt.global_step, []).append((len(ids), loss.item()))
+                outcome = copt.step(len(ids))
+                if outcome in (StepOutcome.STEPPED, StepOutcome.SKIPPED) and not self.cfg.delay_updates:
+                    self.log[copt.history[-1].step] = pending
+                    pending = []
+                elif outcome == StepOutcome.RESYNCED:
+                    pending = []
+                if copt.applied_step not in self.params:
+                    self.params[copt.applied_step] = flat(model)
+                    if self.on_step:
+                        self.on_step(copt.applied_step)
+            copt.close()
+            self.params[copt.applied_step] = flat(model)
+        except BaseException as e:  # surfaced by the test
+            self.error = e
+
+
+def replay(logs, steps, clip):
+    """Single-process large-batch training on exactly the logged samples; returns (losses, params)."""
+    x, y = data()
+    model = make_model()
+    opt, sched = make_opt(model)
+    losses = []
+    for s in range(steps):
+        ids = torch.cat([i for log in logs for i, _ in log.get(s, [])])
+        loss = torch.nn.functional.mse_loss(model(x[ids]), y[ids])
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, flat(model)
+
+
+def start(n, rid):
+    first = Peer(PeerConfig(run_id=rid), AVG)
+    peers = [first] + [Peer(PeerConfig(run_id=rid, initial_peers=tuple(first.maddrs), client_mode=(i == 2)), AVG)
+                       for i in range(1, n)]
+    return peers
+
+
+@pytest.mark.timeout(240)
+def test_large_batch_equivalence_with_late_and_leaving_peers():
+    torch.set_num_threads(1)
+    steps, target = 10, 64
+    cfg = OptimizerConfig(target_batch_size=target, clip_grad_norm=1.0)
+    rid = run_id()
+    peers = start(3, rid)  # the third peer's optimizer joins later
+    late = peers[2]
+    reached_two = threading.Event()
+    try:
+        a = Trainer(0, peers[0], cfg, micro=5, delay=0.01, steps=steps,
+                    on_step=lambda s: reached_two.set() if s >= 2 else None)
+        b = Trainer(1, peers[1], cfg, micro=8, delay=0.02, stop_at=5, steps=steps)
+        a.start(), b.start()
+        for _ in range(1200):
+            if reached_two.wait(0.1) or a.error or b.error:
+                break
+        assert a.error is None and b.error is None, (a.error, b.error)
+        assert reached_two.is_set(), "the collaboration did not reach step 2"
+        c = Trainer(2, late, cfg, micro=13, delay=0.01, steps=steps)
+        c.start()
+        for t in (a, b, c):
+            t.join(200)
+            assert not t.is_alive(), f"trainer {t.index} hung"
+            assert t.error is None, f"trainer {t.index} failed: {t.error!r}"
+    finally:
+        for p in peers:
+            p.close()
+
+    trainers = (a, b, c)
+    # the late peer downloaded the state once, at a step >= 2, then contributed
+    assert c.opt.resyncs == 1 and min(c.params) >= 2
+    assert any(rec.local_samples > 0 for rec in c.opt.history)
+    # the leaver stopped midway
+    assert max(b.params) == 5 and max(a.params) == steps
+    # identical parameters on all peers after every step they share
+    for s in range(steps + 1):
+        have = [t.params[s] for t in trainers if s in t.params]
+        for other in have[1:]:
+            assert torch.equal(have[0], other), f"peers differ after step {s}"
+    # realised batch: the logged samples, within [B, B + one micro-batch per peer)
+    for s in range(steps):
+        consumed = sum(len(i) for t in trainers for i, _ in t.log.get(s, []))
+        realised = {rec.batch for t in trainers for rec in t.opt.history if rec.step == s}
+        assert realised == {float(consumed)}, (s, realised, consumed)
+        assert target <= consumed < target + 5 + 8 + 13, (s, consumed)
+    # a single process on exactly those samples gives the same losses and parameters
+    losses, params = replay([t.log for t in trainers], steps, clip=1.0)
+    for s in range(steps):
+        items = [(len(i), l) for t in trainers for i, l in t.log.get(s, [])]
+        collab_loss = sum(n * l for n, l in items) / sum(n for n, _ in items)
+        assert collab_loss == pytest.approx(losses[s], rel=1e-5, abs=1e-6), s
+    assert torch.allclose(a.params[steps], params, atol=1e-5, rtol=1e-5), (a.params[steps] - params).abs().max()
+
+
+def curve(trainers, steps):
+    out = []
+    for s in range(steps):
+        items = [x for t in trainers for x in t.losses.get(s, [])]
+        out.append(sum(n * l for n, l in items) / sum(n for n, _ in items))
+    return out
+
+
+def run_collaboration(cfg, steps, micro=(5, 8, 13), delays=(0.0, 0.01, 0.02)):
+    peers = start(3, run_id())
+    try:
+        trainers = [Trainer(i, p, cfg, micro=m, delay=d, steps=steps, opt_kwargs=dict(lr=0.05, momentum=0.0))
+                    for i, (p, m, d) in enumerate(zip(peers, micro, delays))]
+        for t in trainers:
+            t.start()
+        for t in trainers:
+            t.join(200)
+            assert not t.is_alive(), f"trainer {t.index} hung"
+            assert t.error is None, f"trainer {t.index} failed: {t.error!r}"
+    finally:
+        for p in peers:
+            p.close()
+    return trainers
+
+
+@pytest.mark.timeout(240)
+def test_delayed_updates_keep_peers_identical():
+    torch.set_num_threads(1)
+    steps = 12
+    sync = run_collaboration(OptimizerConfig(target_batch_size=64), steps)
+    delayed = run_collaboration(OptimizerConfig(target_batch_size=64, delay_updates=True), steps)
+    # a peer that lost a round resyncs and skips the steps it missed; every step's parameters agree
+    assert any(t.opt.resyncs == 0 for t in delayed)
+    for s in range(steps + 1):
+        have = [t.params[s] for t in delayed if s in t.params]
+        assert len(have) >= 2 and all(torch.equal(have[0], p) for p in have[1:]), f"peers differ after step {s}"
+    a, b = curve(sync, steps), curve(delayed, steps)
+    print("sync", a, "delayed", b)
+    tail = steps // 3
+    late_a, late_b = sum(a[-tail:]) / tail, sum(b[-tail:]) / tail
+    assert late_a < 0.8 * a[0] and late_b < 0.8 * b[0], "the loss did not fall"
+    assert abs(late_a - late_b) < 0.15 * late_a, (a, b)
