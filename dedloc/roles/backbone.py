@@ -1,0 +1,90 @@
+"""A backbone peer: a cheap, stable, CPU-only member that trains nothing.
+
+It keeps the DHT alive and serves as an initial peer; every ``checkpoint_interval`` it pulls the
+newest state from a trainer (when the global step has advanced), writes it as a checkpoint and
+serves it to newcomers. Started with ``resume``, it loads its newest checkpoint and serves it,
+so a stopped collaboration continues from there. It never needs the model's code: states are
+opaque blobs to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+
+from dedloc.config import AveragingConfig, BackboneConfig, PeerConfig
+from dedloc.errors import ConfigError, DedlocError
+from dedloc.peer import Peer
+from dedloc.records import CollaborationView, ProgressRecord, Role
+from dedloc.state.checkpoint import CheckpointStore
+
+logger = logging.getLogger(__name__)
+
+
+class Backbone:
+    def __init__(self, peer_config: PeerConfig, config: BackboneConfig | None = None,
+                 averaging: AveragingConfig | None = None):
+        self.config = (config or BackboneConfig()).validate()
+        if peer_config.client_mode:
+            raise ConfigError("invalid config: a backbone peer cannot run in client mode (others must reach it)")
+        self.store = CheckpointStore(self.config.checkpoint_dir, self.config.keep_checkpoints)
+        self.step = -1
+        self.peer = Peer(peer_config, averaging)
+        try:
+            if self.config.resume and (found := self.store.latest()) is not None:
+                self.step, blob = found
+                self.peer.offer_state(self.step, blob)
+                logger.info(f"resuming from checkpoint {self.store.path(self.step)} (step {self.step})")
+            self.view = self._report()
+        except BaseException:
+            self.peer.close()
+            raise
+
+    @property
+    def maddrs(self) -> list[str]:
+        return self.peer.maddrs
+
+    def _report(self) -> CollaborationView:
+        record = ProgressRecord(self.peer.peer_id, max(self.step, 0), 0, 0.0, Role.BACKBONE, 0.0, time.time())
+        view, _ = self.peer.report(record)
+        return view
+
+    def pull(self) -> bool:
+        """Download and checkpoint the newest state if the collaboration moved past ours; True if it did."""
+        view = self._report()
+        self.view = view
+        target = view.global_step
+        if target <= self.step:
+            return False
+        donors = [r.peer_id for r in view.trainers_at(target) if r.role == Role.TRAINER]
+        if not donors:
+            return False
+        random.shuffle(donors)
+        try:
+            step, blob, donor = self.peer.download_state(donors, target, 60.0)
+        except DedlocError as e:
+            logger.warning(f"could not pull the state of step {target}: {e}")
+            return False
+        path = self.store.write(step, blob)
+        self.step = step
+        self.peer.offer_state(step, blob)
+        self._report()
+        logger.info(f"checkpoint of step {step} from {donor} written to {path} ({len(blob) / 1e6:.1f} MB)")
+        return True
+
+    def run(self, stop: threading.Event) -> None:
+        """Pull and checkpoint every ``checkpoint_interval`` until ``stop`` is set; keeps the record alive."""
+        next_pull = time.monotonic()
+        refresh = max(1.0, self.peer.config.progress_ttl / 3)
+        while not stop.is_set():
+            if time.monotonic() >= next_pull:
+                self.pull()
+                next_pull = time.monotonic() + self.config.checkpoint_interval
+            else:
+                self.view = self._report()
+            stop.wait(min(refresh, max(0.05, next_pull - time.monotonic())))
+
+    def close(self) -> None:
+        self.peer.close()

@@ -1,0 +1,72 @@
+"""Checkpoints on disk: atomic writes, the newest few kept, torn or foreign files skipped.
+
+A checkpoint is a state blob (state/snapshot.py) in ``state-<step>.pt``. It is written to a
+temporary file in the same directory, fsynced, renamed over the final name and the directory
+fsynced: after a crash at any instant the final name holds either nothing or a whole state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from dedloc.errors import ProtocolError
+from dedloc.state import snapshot
+
+logger = logging.getLogger(__name__)
+_NAME = re.compile(r"^state-(\d+)\.pt$")
+
+
+class CheckpointStore:
+    def __init__(self, directory: str | os.PathLike, keep: int = 3):
+        self.dir = Path(directory)
+        self.keep = keep
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob(".state-*.tmp"):  # left by a crash mid-write
+            stale.unlink(missing_ok=True)
+
+    def steps(self) -> list[int]:
+        """Steps of the checkpoints present, newest first."""
+        return sorted((int(m.group(1)) for f in self.dir.iterdir() if (m := _NAME.match(f.name))), reverse=True)
+
+    def path(self, step: int) -> Path:
+        return self.dir / f"state-{step:08d}.pt"
+
+    def write(self, step: int, blob: bytes) -> Path:
+        final = self.path(step)
+        fd, tmp = tempfile.mkstemp(prefix=".state-", suffix=".tmp", dir=self.dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        dir_fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        for old in self.steps()[self.keep:]:
+            self.path(old).unlink(missing_ok=True)
+        return final
+
+    def latest(self) -> tuple[int, bytes] | None:
+        """The newest checkpoint that decodes as a state, or None; unreadable ones are logged and skipped."""
+        for step in self.steps():
+            try:
+                blob = self.path(step).read_bytes()
+                state_step = snapshot.peek_step(blob)
+            except (OSError, ProtocolError) as e:
+                logger.warning(f"skipping unreadable checkpoint {self.path(step)}: {e}")
+                continue
+            if state_step != step:
+                logger.warning(f"skipping checkpoint {self.path(step)}: it holds step {state_step}")
+                continue
+            return step, blob
+        return None
