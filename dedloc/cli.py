@@ -1,41 +1,129 @@
-"""The `dedloc` command."""
+"""The `dedloc` command: ``demo`` (a local collaboration) and ``backbone`` (a CPU-only helper peer).
+
+Options are generated from the configuration dataclasses, so the CLI and the Python API share
+one definition of every setting and its validation.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import signal
 import sys
+import threading
+import typing
+from typing import Any
 
 from dedloc.errors import DedlocError
 
 
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstrings written under a dataclass's fields (``x: int = 1`` then ``\"\"\"doc\"\"\"``)."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
+        return {}
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def add_fields(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One ``--option`` per dataclass field, typed from its default, with the field's help."""
+    hints = typing.get_type_hints(cls)
+    docs = _field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f.metadata.get("help", docs.get(f.name, "")).replace("%", "%%") + (
+            f" (default: {default})" if default not in (None, ()) else "")
+        hint = hints[f.name]
+        if hint is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif isinstance(default, tuple):
+            parser.add_argument(flag, nargs="*", default=list(default), help=help_text)
+        else:
+            kind = next((t for t in (int, float, str) if t is hint or t in typing.get_args(hint)), str)
+            parser.add_argument(flag, type=kind, default=default, help=help_text)
+
+
+def from_args(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = ()) -> Any:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in skip}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return cls(**values).validate()
+
+
 def main(argv: list[str] | None = None) -> int:
+    from dedloc.config import BackboneConfig, PeerConfig
+    from dedloc.demo.collab import DemoConfig
+
     parser = argparse.ArgumentParser(prog="dedloc", description="Collaborative deep learning (DeDLOC).")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run a local collaboration on this machine")
+    demo = sub.add_parser("demo", help="run a local collaboration pretraining a small ALBERT on this machine")
     demo.add_argument("--averaging", action="store_true",
-                      help="average vectors among local peers (the only demo at this stage)")
-    demo.add_argument("--peers", type=int, default=4, help="number of trainer peers (default 4)")
-    demo.add_argument("--numel", type=int, default=1 << 20, help="vector length (default 1M)")
-    demo.add_argument("--rounds", type=int, default=3, help="averaging rounds (default 3)")
+                      help="instead: only average vectors among local peers (the runtime's smoke test)")
+    demo.add_argument("--numel", type=int, default=1 << 20, help="--averaging: vector length (default 1M)")
+    demo.add_argument("--rounds", type=int, default=3, help="--averaging: rounds (default 3)")
+    demo.add_argument("--verbose", action="store_true", help="log every event at INFO")
+    add_fields(demo, DemoConfig)
+    backbone = sub.add_parser("backbone", help="run a CPU-only backbone peer: DHT, checkpoints, state for newcomers")
+    add_fields(backbone, PeerConfig, skip=("client_mode",))
+    add_fields(backbone, BackboneConfig)
     args = parser.parse_args(argv)
     from dedloc.logs import configure
 
-    configure("WARNING")
     try:
         if args.command == "demo":
-            if args.peers < 2 or args.numel < 1 or args.rounds < 1:
-                parser.error("--peers must be >= 2, --numel and --rounds >= 1")
-            from dedloc.demo.averaging import AveragingDemoConfig, run
+            configure("INFO" if args.verbose else "WARNING")
+            if args.averaging:
+                from dedloc.demo.averaging import AveragingDemoConfig, run as run_averaging
 
-            out = run(AveragingDemoConfig(peers=args.peers, numel=args.numel, rounds=args.rounds))
-            ok = all(r["identical"] and r["max_err"] < 1e-4 for r in out["rounds"])
+                if args.trainers < 2 or args.numel < 1 or args.rounds < 1:
+                    parser.error("--trainers must be >= 2, --numel and --rounds >= 1")
+                out = run_averaging(AveragingDemoConfig(peers=args.trainers, numel=args.numel, rounds=args.rounds))
+                return 0 if all(r["identical"] and r["max_err"] < 1e-4 for r in out["rounds"]) else 1
+            from dedloc.demo.collab import run
+
+            summary = run(from_args(DemoConfig, args, skip=()), log_level="INFO" if args.verbose else "WARNING")
+            ok = summary["loss_last_avg"] < summary["loss_first_avg"] and summary["max_param_diff"] == 0.0
+            if not ok:
+                print("dedloc: the demo did not train correctly (loss did not fall, or peers differ)",
+                      file=sys.stderr)
             return 0 if ok else 1
+        if args.command == "backbone":
+            return _backbone(from_args(PeerConfig, args, skip=("client_mode",)), from_args(BackboneConfig, args))
     except DedlocError as e:
         print(f"dedloc: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("dedloc: interrupted", file=sys.stderr)
         return 130
+    return 0
+
+
+def _backbone(peer_config, backbone_config) -> int:
+    from dedloc.logs import configure
+    from dedloc.roles.backbone import Backbone
+
+    configure(peer_config.log_level)
+    node = Backbone(peer_config, backbone_config)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        print("backbone peer running; others join with --initial-peers " + " ".join(node.maddrs), flush=True)
+        node.run(stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        node.close()
     return 0
 
 

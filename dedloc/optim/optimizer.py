@@ -146,6 +146,13 @@ class CollaborativeOptimizer:
         finally:
             self._last_end = time.monotonic()
 
+    def offer_state(self) -> None:
+        """Make the current state downloadable right away (e.g. before a planned stop, for a backbone)."""
+        if self._inflight is not None:
+            self._inflight.future.exception()
+            self._finish_inflight()
+        self.peer.offer_state(self.applied_step, snapshot.encode(self.state_dict()))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._zero_grads()
 
@@ -248,7 +255,7 @@ class CollaborativeOptimizer:
                                 self._fingerprint)
         view, wanted = self.peer.report(record)
         if wanted and self._inflight is None:
-            self.peer.offer_state(self.applied_step, snapshot.encode(self.state_dict()))
+            self.offer_state()
         return view
 
     def _hash(self) -> str:

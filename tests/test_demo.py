@@ -1,0 +1,25 @@
+"""The main job, `dedloc demo`, end to end on a tiny setting: it trains, and writes its outputs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.timeout(280)
+def test_demo_trains_and_writes_summary_and_plot(tmp_path):
+    cmd = [sys.executable, "-m", "dedloc.cli", "demo", "--steps", "8", "--target-batch-size", "32",
+           "--micro-batch", "8", "--hidden-size", "32", "--heads", "2", "--layers", "1", "--vocab-size", "400",
+           "--corpus-files", "200", "--slowdown", "0.05", "--lr", "0.01", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=260)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("steps", "loss_first", "loss_last", "peers", "batch_per_step", "max_param_diff"):
+        assert key in summary
+    assert summary["steps"] == 8 and summary["peers"] == 4
+    assert summary["max_param_diff"] == 0.0
+    assert summary["loss_last_avg"] < summary["loss_first_avg"]
+    assert all(32 <= b < 32 + 8 + 4 + 4 for b in summary["batch_per_step"]), summary["batch_per_step"]
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert list((tmp_path / "checkpoints").glob("state-*.pt")), "the backbone wrote no checkpoint"
