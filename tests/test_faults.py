@@ -3,6 +3,7 @@
 import asyncio
 import concurrent.futures as cf
 import math
+import threading
 import time
 
 import pytest
@@ -98,8 +99,11 @@ def test_hostile_member_and_hostile_streams_are_rejected(make_peers):
     gen = torch.Generator().manual_seed(9)
     honest_inputs = {step: [torch.randn(numel, generator=gen) for _ in peers] for step in range(3)}
 
+    hostile_up = threading.Event()
+
     def honest():
         out = {}
+        assert hostile_up.wait(60), "the hostile node did not start"
         with cf.ThreadPoolExecutor(3) as pool:
             for step in range(3):
                 xs = [x.clone() for x in honest_inputs[step]]
@@ -110,6 +114,7 @@ def test_hostile_member_and_hostile_streams_are_rejected(make_peers):
 
     async def hostile(initial):
         node = await Node.create(PeerConfig(run_id=peers[0].config.run_id, initial_peers=tuple(initial)))
+        hostile_up.set()  # the honest peers start only now, so a slow start cannot make it miss step 0
         answers = {}
         try:
             mm = Matchmaker(node, AveragingConfig(matchmaking_time=3), share=0.0)

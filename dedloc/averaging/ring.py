@@ -61,6 +61,7 @@ class RingRound:
         loop = asyncio.get_running_loop()
         self._in: asyncio.Future = loop.create_future()  # (reader, first header or None)
         self._out: asyncio.Future = loop.create_future()  # writer towards the successor
+        self._done = asyncio.Event()  # set when this member's result is final
 
     def _peer(self, i: int) -> str:
         return self.group.members[i].peer_id
@@ -76,12 +77,7 @@ class RingRound:
             self._in.set_result((reader, header))
         else:
             raise ProtocolError(f"peer {peer_id} is not an expected ring neighbour")
-        await asyncio.wait_for(self._done_event().wait(), max(0.0, self.deadline - asyncio.get_running_loop().time()))
-
-    def _done_event(self) -> asyncio.Event:
-        if not hasattr(self, "_done"):
-            self._done = asyncio.Event()
-        return self._done
+        await asyncio.wait_for(self._done.wait(), max(0.0, self.deadline - asyncio.get_running_loop().time()))
 
     async def run(self) -> torch.Tensor:
         try:
@@ -92,7 +88,7 @@ class RingRound:
         except (ConnectionError, asyncio.IncompleteReadError, ProtocolError) as e:
             raise AveragingError(f"step {self.group.step}: ring all-reduce failed: {type(e).__name__}: {e}") from None
         finally:
-            self._done_event().set()
+            self._done.set()
 
     async def _run(self) -> torch.Tensor:
         rid, n = self.group.round_id, len(self.order)
