@@ -21,28 +21,12 @@ import uuid
 
 import torch
 
-from dedloc.demo.collab import DemoConfig, model_config
+from dedloc.demo.collab import DemoConfig, mlm_worker
 
 
 def _setup(cfg: DemoConfig, blocks, tokenizer, index: int):
-    from transformers import AlbertForMaskedLM, DataCollatorForLanguageModeling
-
-    from dedloc.demo.corpus import shard_stream
-
     torch.set_num_threads(1)
-    torch.manual_seed(cfg.seed)
-    model = AlbertForMaskedLM(model_config(cfg, len(tokenizer)))
-    torch.manual_seed(cfg.seed + 1 + index)
-    collate = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
-    stream = shard_stream(blocks, index, cfg.trainers, buffer=256, seed=index)
-
-    def micro_step(n: int) -> float:
-        batch = collate([{"input_ids": next(stream)} for _ in range(n)])
-        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-        loss.backward()
-        return loss.item()
-
-    return model, micro_step
+    return mlm_worker(cfg, blocks, tokenizer, index)
 
 
 def _flat(model) -> torch.Tensor:
@@ -91,8 +75,6 @@ def dedloc_peer(cfg: DemoConfig, blocks, tokenizer, index: int, run_id: str, ini
                     start, samples = time.monotonic(), 0
             elif start is not None:
                 samples += cfg.micro_batch
-            if start is not None and opt.global_step >= cfg.steps:
-                break
         end = time.monotonic()
         opt.close()
         out.put(("done", index, samples, start, end, _flat(model), [r.batch for r in opt.history]))

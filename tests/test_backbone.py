@@ -16,7 +16,7 @@ from dedloc.state import snapshot
 from dedloc.state.checkpoint import CheckpointStore
 
 from conftest import run_id
-from test_optimizer import AVG, Trainer
+from test_optimizer import AVG, Trainer, join_all
 
 
 def test_checkpoints_keep_the_newest_and_skip_torn_files(tmp_path, caplog):
@@ -79,9 +79,7 @@ def test_collaboration_stops_and_resumes_from_a_backbone_checkpoint(tmp_path):
         trainers = [Trainer(i, p, cfg, micro=5 + 3 * i, delay=0.03, steps=10) for i, p in enumerate(first)]
         for t in trainers:
             t.start()
-        for t in trainers:
-            t.join(120)
-            assert not t.is_alive() and t.error is None, t.error
+        join_all(trainers, timeout=120)
     finally:
         stop.set()
         pulling.join(30)
@@ -102,9 +100,7 @@ def test_collaboration_stops_and_resumes_from_a_backbone_checkpoint(tmp_path):
         trainers2 = [Trainer(10 + i, p, cfg, micro=6, delay=0.01, steps=step + 2) for i, p in enumerate(second)]
         for t in trainers2:
             t.start()
-        for t in trainers2:
-            t.join(120)
-            assert not t.is_alive() and t.error is None, t.error
+        join_all(trainers2, timeout=120)
     finally:
         for p in second:
             p.close()

@@ -91,6 +91,14 @@ class Trainer(threading.Thread):
             self.error = e
 
 
+def join_all(trainers, timeout=200):
+    """Wait for trainer threads; fail if any of them hung or raised."""
+    for t in trainers:
+        t.join(timeout)
+        assert not t.is_alive(), f"trainer {t.index} hung"
+        assert t.error is None, f"trainer {t.index} failed: {t.error!r}"
+
+
 def replay(logs, steps, clip):
     """Single-process large-batch training on exactly the logged samples; returns (losses, params)."""
     x, y = data()
@@ -138,10 +146,7 @@ def test_large_batch_equivalence_with_late_and_leaving_peers():
         assert reached_two.is_set(), "the collaboration did not reach step 2"
         c = Trainer(2, late, cfg, micro=13, delay=0.01, steps=steps)
         c.start()
-        for t in (a, b, c):
-            t.join(200)
-            assert not t.is_alive(), f"trainer {t.index} hung"
-            assert t.error is None, f"trainer {t.index} failed: {t.error!r}"
+        join_all((a, b, c))
     finally:
         for p in peers:
             p.close()
@@ -187,10 +192,7 @@ def run_collaboration(cfg, steps, micro=(5, 8, 13), delays=(0.0, 0.01, 0.02)):
                     for i, (p, m, d) in enumerate(zip(peers, micro, delays))]
         for t in trainers:
             t.start()
-        for t in trainers:
-            t.join(200)
-            assert not t.is_alive(), f"trainer {t.index} hung"
-            assert t.error is None, f"trainer {t.index} failed: {t.error!r}"
+        join_all(trainers)
     finally:
         for p in peers:
             p.close()

@@ -95,10 +95,8 @@ class Matchmaker:
                 if isinstance(value, list)}
 
     async def _closed_without_me(self, step: int) -> str | None:
-        for leader, (value, _) in (await self.node.get(self.node.key("closed", step))).items():
-            if isinstance(value, list) and self.me not in value:
-                return leader
-        return None
+        return next((leader for leader, members in (await self.closed_round(step)).items()
+                     if self.me not in members), None)
 
     # ---- entry point -----------------------------------------------------------------------------
     async def form_group(self, step: int, weight: float, expected_peers: int | None = None,

@@ -74,12 +74,32 @@ def model_config(cfg: DemoConfig, vocab_size: int):
                         intermediate_size=4 * cfg.hidden_size, max_position_embeddings=max(64, cfg.seq_len))
 
 
+def mlm_worker(cfg: DemoConfig, blocks: torch.Tensor, tokenizer, index: int):
+    """(model, micro_step) for peer ``index``: the same initial model on every peer, its own data shard
+    and masks; ``micro_step(n)`` runs forward and backward on n examples and returns the loss."""
+    from transformers import AlbertForMaskedLM, DataCollatorForLanguageModeling
+
+    from dedloc.demo.corpus import shard_stream
+
+    torch.manual_seed(cfg.seed)
+    model = AlbertForMaskedLM(model_config(cfg, len(tokenizer)))
+    torch.manual_seed(cfg.seed + 1 + index)
+    collate = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
+    stream = shard_stream(blocks, index, cfg.trainers, buffer=256, seed=index)
+
+    def micro_step(n: int) -> float:
+        batch = collate([{"input_ids": next(stream)} for _ in range(n)])
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss.backward()
+        return loss.item()
+
+    return model, micro_step
+
+
 def _trainer(index: int, spec: dict[str, Any], cfg: DemoConfig, blocks: torch.Tensor, tokenizer, events,
              release) -> None:
     """One trainer process: an ordinary MLM training loop around the collaborative optimizer."""
     import logging
-
-    from transformers import AlbertForMaskedLM, DataCollatorForLanguageModeling
 
     from dedloc.logs import configure
     from dedloc.optim import CollaborativeOptimizer, StepOutcome
@@ -91,8 +111,7 @@ def _trainer(index: int, spec: dict[str, Any], cfg: DemoConfig, blocks: torch.Te
     peer = Peer(PeerConfig(run_id=spec["run_id"], initial_peers=tuple(spec["initial_peers"]),
                            client_mode=spec["client"], log_level=spec["log_level"]), AVERAGING)
     try:
-        torch.manual_seed(cfg.seed)  # every peer builds the same initial model
-        model = AlbertForMaskedLM(model_config(cfg, len(tokenizer)))
+        model, micro_step = mlm_worker(cfg, blocks, tokenizer, index)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
         warmup = max(1, cfg.steps // 10)
         sched = torch.optim.lr_scheduler.LambdaLR(
@@ -100,27 +119,21 @@ def _trainer(index: int, spec: dict[str, Any], cfg: DemoConfig, blocks: torch.Te
         copt = CollaborativeOptimizer(opt, peer, OptimizerConfig(target_batch_size=cfg.target_batch_size,
                                                                  delay_updates=cfg.delay_updates, clip_grad_norm=1.0),
                                       scheduler=sched, model=model)
-        torch.manual_seed(cfg.seed + 1 + index)  # different masks on each peer
-        collate = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
-        from dedloc.demo.corpus import shard_stream
-
-        stream = shard_stream(blocks, index, cfg.trainers, buffer=256, seed=index)
         losses: dict[int, list[float]] = {}
         while copt.global_step < cfg.steps:
-            batch = collate([{"input_ids": next(stream)} for _ in range(spec["micro"])])
-            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-            loss.backward()
+            loss = micro_step(spec["micro"])
             if spec["delay"]:
                 time.sleep(spec["delay"])  # emulates a slower device
             acc = losses.setdefault(copt.global_step, [0.0, 0])
-            acc[0] += loss.item() * spec["micro"]
+            acc[0] += loss * spec["micro"]
             acc[1] += spec["micro"]
             outcome = copt.step(spec["micro"])
             if outcome in (StepOutcome.STEPPED, StepOutcome.SKIPPED):
                 s = copt.global_step - 1
                 loss_sum, n = losses.pop(s, (0.0, 0))
                 rec = copt.history[-1] if copt.history and not cfg.delay_updates else None
-                events.put(("step", index, s, loss_sum, n, rec.batch if rec else None, copt._sps.value))
+                events.put(("step", index, s, loss_sum, n, rec.batch if rec else None,
+                            copt.samples_per_second))
             elif outcome == StepOutcome.RESYNCED:
                 losses.clear()
                 events.put(("resync", index, copt.global_step))

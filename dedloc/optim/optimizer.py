@@ -149,7 +149,6 @@ class CollaborativeOptimizer:
     def offer_state(self) -> None:
         """Make the current state downloadable right away (e.g. before a planned stop, for a backbone)."""
         if self._inflight is not None:
-            self._inflight.future.exception()
             self._finish_inflight()
         self.peer.offer_state(self.applied_step, snapshot.encode(self.state_dict()))
 
@@ -161,7 +160,6 @@ class CollaborativeOptimizer:
         if self._closed:
             return
         if self._inflight is not None:
-            self._inflight.future.exception()  # wait
             self._finish_inflight(resync=False)
         self._closed = True
         try:
@@ -170,13 +168,13 @@ class CollaborativeOptimizer:
             logger.debug(f"could not announce leaving: {e!r}")
 
     @property
-    def view(self) -> CollaborationView:
-        return self.peer.collaboration()
+    def samples_per_second(self) -> float:
+        """This peer's smoothed training speed (what it publishes)."""
+        return self._sps.value
 
     # ---- one global step ---------------------------------------------------------------------------------
     def _round(self, view: CollaborationView) -> StepOutcome:
         if self._inflight is not None:  # delayed updates: the previous step must land first
-            self._inflight.future.exception()
             if not self._finish_inflight():
                 return StepOutcome.RESYNCED
         step = self.global_step
@@ -209,7 +207,7 @@ class CollaborativeOptimizer:
         return self._apply(step, vector, stats, local_samples, started)
 
     def _finish_inflight(self, resync: bool = True) -> bool:
-        """Apply the finished background round; on failure, resync (returns False)."""
+        """Wait for the background round and apply it; on failure, resync (returns False)."""
         inflight, self._inflight = self._inflight, None
         try:
             stats = inflight.finish()
