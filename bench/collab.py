@@ -53,7 +53,7 @@ def single(cfg: DemoConfig, blocks, tokenizer, out) -> None:
     out.put({"sps": samples / (time.monotonic() - start), "batches": [cfg.target_batch_size] * cfg.steps})
 
 
-def dedloc_peer(cfg: DemoConfig, blocks, tokenizer, index: int, run_id: str, initial, out) -> None:
+def dedloc_peer(cfg: DemoConfig, blocks, tokenizer, index: int, run_id: str, initial, out, go) -> None:
     from dedloc.config import OptimizerConfig, PeerConfig
     from dedloc.demo.collab import AVERAGING
     from dedloc.optim import CollaborativeOptimizer, StepOutcome
@@ -61,9 +61,8 @@ def dedloc_peer(cfg: DemoConfig, blocks, tokenizer, index: int, run_id: str, ini
 
     model, micro_step = _setup(cfg, blocks, tokenizer, index)
     with Peer(PeerConfig(run_id=run_id, initial_peers=tuple(initial), log_level="WARNING"), AVERAGING) as peer:
-        if index == 0:
-            initial.extend(peer.maddrs)
-            out.put(("maddrs", list(peer.maddrs)))
+        out.put(("joined", index, list(peer.maddrs)))
+        go.wait()
         opt = CollaborativeOptimizer(torch.optim.AdamW(model.parameters(), lr=cfg.lr), peer,
                                      OptimizerConfig(target_batch_size=cfg.target_batch_size,
                                                      delay_updates=cfg.delay_updates), model=model)
@@ -80,13 +79,13 @@ def dedloc_peer(cfg: DemoConfig, blocks, tokenizer, index: int, run_id: str, ini
         out.put(("done", index, samples, start, end, _flat(model), [r.batch for r in opt.history]))
 
 
-def hivemind_peer(cfg: DemoConfig, blocks, tokenizer, index: int, run_id: str, initial, out) -> None:
+def hivemind_peer(cfg: DemoConfig, blocks, tokenizer, index: int, run_id: str, initial, out, go) -> None:
     import hivemind
 
     model, micro_step = _setup(cfg, blocks, tokenizer, index)
     dht = hivemind.DHT(initial_peers=list(initial), start=True)
-    if index == 0:
-        out.put(("maddrs", [str(a) for a in dht.get_visible_maddrs()]))
+    out.put(("joined", index, [str(a) for a in dht.get_visible_maddrs()]))
+    go.wait()
     opt = hivemind.Optimizer(dht=dht, run_id=run_id, params=model.parameters(),
                              optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr),
                              target_batch_size=cfg.target_batch_size, batch_size_per_step=cfg.micro_batch,
@@ -112,21 +111,47 @@ def hivemind_peer(cfg: DemoConfig, blocks, tokenizer, index: int, run_id: str, i
     dht.shutdown()
 
 
+def _guarded(worker, *args) -> None:
+    """Run a worker process body; report its failure instead of leaving the parent waiting."""
+    out, index = args[-2], args[3]
+    try:
+        worker(*args)
+    except BaseException as e:
+        out.put(("error", index, f"{type(e).__name__}: {e}"))
+
+
+def _expect(out, kind: str, timeout: float):
+    msg = out.get(timeout=timeout)
+    if msg[0] == "error":
+        raise RuntimeError(f"peer {msg[1]} failed: {msg[2]}")
+    assert msg[0] == kind, msg
+    return msg
+
+
 def collaboration(worker, cfg: DemoConfig, blocks, tokenizer, ctx) -> dict:
-    out = ctx.Queue()
+    """Run N peers of ``worker``; all join before any trains, so the measurement covers N peers."""
+    out, go = ctx.Queue(), ctx.Event()
     run_id = "bench" + uuid.uuid4().hex[:8]
-    first = ctx.Process(target=worker, args=(cfg, blocks, tokenizer, 0, run_id, [], out))
-    first.start()
-    kind, maddrs = out.get(timeout=120)
-    procs = [first] + [ctx.Process(target=worker, args=(cfg, blocks, tokenizer, i, run_id, maddrs, out))
-                       for i in range(1, cfg.trainers)]
-    for p in procs[1:]:
+
+    def spawn(i: int, initial: list[str]):
+        p = ctx.Process(target=_guarded, args=(worker, cfg, blocks, tokenizer, i, run_id, initial, out, go))
         p.start()
-    results = [out.get(timeout=cfg.time_limit) for _ in procs]
-    for p in procs:
-        p.join(60)
-        if p.is_alive():
-            p.terminate()
+        return p
+
+    procs = [spawn(0, [])]
+    try:
+        maddrs = _expect(out, "joined", 120)[2]
+        procs += [spawn(i, maddrs) for i in range(1, cfg.trainers)]
+        for _ in procs[1:]:
+            _expect(out, "joined", 120)
+        go.set()
+        results = [_expect(out, "done", cfg.time_limit) for _ in procs]
+    finally:
+        go.set()
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.terminate()
     starts = [r[3] for r in results if r[3] is not None]
     ends = [r[4] for r in results]
     samples = sum(r[2] for r in results)
