@@ -10,9 +10,9 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import textwrap
 import signal
 import sys
+import textwrap
 import threading
 import typing
 from typing import Any
@@ -56,9 +56,10 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...]
 
 
 def from_args(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = ()) -> Any:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in skip}
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-    return cls(**values).validate()
+    """The validated config ``cls`` built from the options ``add_fields`` added."""
+    from dedloc.config import from_dict
+
+    return from_dict(cls, {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in skip})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0 if all(r["identical"] and r["max_err"] < 1e-4 for r in out["rounds"]) else 1
             from dedloc.demo.collab import run
 
-            summary = run(from_args(DemoConfig, args, skip=()), log_level="INFO" if args.verbose else "WARNING")
+            summary = run(from_args(DemoConfig, args), log_level="INFO" if args.verbose else "WARNING")
             ok = summary["loss_last_avg"] < summary["loss_first_avg"] and summary["max_param_diff"] == 0.0
             if not ok:
                 print("dedloc: the demo did not train correctly (loss did not fall, or peers differ)",
