@@ -270,6 +270,7 @@ def run(cfg: DemoConfig, log_level: str = "WARNING") -> dict[str, Any]:
                     display.view, last_view = backbone.peer.collaboration(), time.monotonic()
                 display.checkpoint = backbone.step
                 live.update(display.render())
+        console.print()  # the live table leaves the cursor on its last line
         if errors:
             raise DedlocError("; ".join(errors))
         stop.set()
@@ -307,7 +308,6 @@ def _summarise(cfg: DemoConfig, display: _Display, finals: dict[int, Any], histo
         "max_param_diff": diff, "resyncs": display.resyncs, "wall_s": round(wall, 1),
         "loss_per_step": curve, "config": asdict(cfg),
     }
-    console.print()
     console.print(f"trained {len(steps)} global steps in {wall:.0f} s: loss {summary['loss_first']:.3f} -> "
                   f"{summary['loss_last']:.3f}; batch per step {min(b for b in batch_per_step if b)}-"
                   f"{max(b for b in batch_per_step if b):.0f} (target {cfg.target_batch_size}); "
