@@ -1,13 +1,16 @@
 """The collaborative optimizer against a single-process large-batch reference."""
 
 import threading
+import time
 
 import pytest
 import torch
 
 from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
+from dedloc.errors import ProtocolError, RuntimeClosedError
 from dedloc.optim import CollaborativeOptimizer, StepOutcome
 from dedloc.peer import Peer
+from dedloc.records import ProgressRecord, Role
 
 from conftest import run_id
 
@@ -216,3 +219,54 @@ def test_delayed_updates_keep_peers_identical():
     late_a, late_b = sum(a[-tail:]) / tail, sum(b[-tail:]) / tail
     assert late_a < 0.8 * a[0] and late_b < 0.8 * b[0], "the loss did not fall"
     assert abs(late_a - late_b) < 0.15 * late_a, (a, b)
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_peer_does_not_stall_the_others():
+    torch.set_num_threads(1)
+    steps = 8
+    peers = start(3, run_id())
+    killed = threading.Event()
+
+    def kill_at_three(s):
+        if s >= 3 and not killed.is_set():
+            killed.set()
+            peers[1].runtime.kill()  # its networking dies mid-run, as a crash would
+
+    cfg = OptimizerConfig(target_batch_size=64)
+    try:
+        trainers = [Trainer(0, peers[0], cfg, micro=5, delay=0.01, steps=steps, on_step=kill_at_three),
+                    Trainer(1, peers[1], cfg, micro=8, delay=0.01, steps=steps),
+                    Trainer(2, peers[2], cfg, micro=6, delay=0.01, steps=steps)]
+        for t in trainers:
+            t.start()
+        join_all([trainers[0], trainers[2]])
+        trainers[1].join(60)
+        assert not trainers[1].is_alive(), "the killed peer's training loop hung"
+    finally:
+        for p in peers:
+            p.close()
+    assert killed.is_set()
+    assert isinstance(trainers[1].error, RuntimeClosedError), trainers[1].error
+    survivors = (trainers[0], trainers[2])
+    for s in range(steps + 1):
+        have = [t.params[s] for t in survivors if s in t.params]
+        assert len(have) == 2 and torch.equal(*have), f"survivors differ after step {s}"
+
+
+def test_a_garbage_state_from_a_donor_is_refused_clearly():
+    rid = run_id()
+    donor, newcomer = start(2, rid)
+    try:
+        # the donor claims step 5 and serves bytes that are not a training state
+        donor.report(ProgressRecord(donor.peer_id, 5, 0, 1.0, Role.TRAINER, time=time.time()))
+        donor.offer_state(5, b"\x80not a state" * 100)
+        model = make_model()
+        before = flat(model)
+        opt, _ = make_opt(model)
+        with pytest.raises(ProtocolError, match="not a dedloc training state"):
+            CollaborativeOptimizer(opt, newcomer, OptimizerConfig(target_batch_size=64), model=model)
+        assert torch.equal(flat(model), before), "a refused state changed the model"
+    finally:
+        donor.close()
+        newcomer.close()
