@@ -13,6 +13,7 @@ from dedloc.errors import ConfigError
 
 COMPRESSIONS = ("none", "float16")
 STRATEGIES = ("partitioned", "ring")
+PLANNERS = ("lp", "equal", "bandwidth", "declared")
 
 
 def _check(cond: bool, name: str, why: str) -> None:
@@ -71,7 +72,28 @@ class AveragingConfig:
     chunk_bytes: int = 4 << 20
     """Bytes per socket write/read when streaming a part."""
     share: float | None = None
-    """This peer's aggregation share hint (None: 1 for reachable peers, 0 in client mode)."""
+    """This peer's aggregation share hint (None: 1 for reachable peers, 0 in client mode). 0 means
+    never aggregate, whatever the planner says; other values matter only with planner='declared'."""
+    aggregator_only: bool = False
+    """This peer trains nothing: it aggregates parts for the others and needs no result
+    (a CPU helper with good bandwidth). It averages with weight 0."""
+    planner: str = "lp"
+    """How a round's leader sets the shares: 'lp' (the linear program over measured capabilities),
+    'equal' (butterfly), 'bandwidth' (proportional to each peer's bandwidth) or 'declared'
+    (each peer's own share hint)."""
+    upload_mbps: float | None = None
+    """This peer's upload in Mbit/s, overriding the measurement (None: measure)."""
+    download_mbps: float | None = None
+    """This peer's download in Mbit/s, overriding the measurement (None: measure)."""
+    probe_interval: float = 120.0
+    """Seconds between active bandwidth probes to a few peers (0: passive measurement only)."""
+    probe_peers: int = 3
+    """How many peers each probe reaches at once."""
+    probe_mb: float = 4.0
+    """MiB sent to (and pulled from) each probed peer."""
+    replan_interval: float = 120.0
+    """Seconds between refreshes of everyone's capabilities for planning (members changing also
+    triggers one)."""
 
     def validate(self) -> "AveragingConfig":
         _check(self.matchmaking_time > 0, "matchmaking_time", "must be > 0")
@@ -81,6 +103,15 @@ class AveragingConfig:
         _check(self.compression in COMPRESSIONS, "compression", f"must be one of {COMPRESSIONS}")
         _check(self.chunk_bytes >= 4096, "chunk_bytes", "must be >= 4096")
         _check(self.share is None or self.share >= 0, "share", "must be >= 0")
+        _check(self.planner in PLANNERS, "planner", f"must be one of {PLANNERS}")
+        for name in ("upload_mbps", "download_mbps"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, name, "must be > 0 or None")
+        _check(self.probe_interval >= 0, "probe_interval", "must be >= 0")
+        _check(self.probe_peers >= 1, "probe_peers", "must be >= 1")
+        _check(0 < self.probe_mb <= 64, "probe_mb", "must be in (0, 64]")
+        _check(self.replan_interval > 0, "replan_interval", "must be > 0")
+        _check(not (self.aggregator_only and self.share == 0), "aggregator_only", "needs a share other than 0")
         return self
 
 

@@ -109,6 +109,20 @@ class Peer:
                                        timeout=timeout, gather_time=gather_time)
         return finish()
 
+    # ---- planning ---------------------------------------------------------------------------------------
+    def probe(self, peers: list[str] | None = None, timeout: float = 120.0) -> dict[str, Any]:
+        """Measure bandwidth to ``peers`` now (default: a few random reachable ones) and publish it.
+
+        Returns rates in bytes/s: ``pushed``/``pulled`` per peer, ``upload``/``download`` overall,
+        and ``failed`` peers with reasons.
+        """
+        return self.runtime.call("probe", peers, timeout=timeout)
+
+    def capabilities(self) -> dict[str, Any]:
+        """Everyone's capability records as read now (``peers``: id -> record) and the last plan
+        this peer made as a round's leader (``plan``: peers, shares, strategy, predicted_s)."""
+        return self.runtime.call("capabilities")
+
     def closed_round(self, step: int) -> dict[str, list[str]]:
         """Members of each group that closed for ``step`` (leader -> peer ids), read from the DHT."""
         return self.runtime.call("closed_round", step)
@@ -127,22 +141,27 @@ class Peer:
         self.close()
 
 
-def start_peers(configs: list[PeerConfig], averaging: AveragingConfig | None = None) -> list[Peer]:
+def start_peers(configs: list[PeerConfig],
+                averaging: AveragingConfig | list[AveragingConfig | None] | None = None) -> list[Peer]:
     """Start the first peer, then the others in parallel, bootstrapping from the first.
 
-    Peers whose config already names initial peers keep them. If any peer fails to start,
-    the ones already started are closed and the error is raised.
+    ``averaging`` is one config for all or a list with one per peer. Peers whose config already
+    names initial peers keep them. If any peer fails to start, the ones already started are
+    closed and the error is raised.
     """
-    first = Peer(configs[0], averaging)
+    avg = list(averaging) if isinstance(averaging, (list, tuple)) else [averaging] * len(configs)
+    if len(avg) != len(configs):
+        raise ValueError(f"{len(configs)} peer configs but {len(avg)} averaging configs")
+    first = Peer(configs[0], avg[0])
     started = [first]
     try:
-        def start(cfg: PeerConfig) -> Peer:
+        def start(cfg: PeerConfig, averaging: AveragingConfig | None) -> Peer:
             if not cfg.initial_peers:
                 cfg = dataclasses.replace(cfg, initial_peers=tuple(first.maddrs))
             return Peer(cfg, averaging)
 
         with cf.ThreadPoolExecutor(max(1, len(configs) - 1)) as pool:
-            futures = [pool.submit(start, c) for c in configs[1:]]
+            futures = [pool.submit(start, c, a) for c, a in zip(configs[1:], avg[1:])]
         errors = [f.exception() for f in futures if f.exception() is not None]
         started += [f.result() for f in futures if f.exception() is None]
         if errors:

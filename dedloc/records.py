@@ -126,3 +126,48 @@ class CollaborationView:
         for r in self.peers:
             out[r.role.value] = out.get(r.role.value, 0) + 1
         return out
+
+
+MAX_PAIRS = 64
+
+
+@dataclass(frozen=True)
+class CapabilityRecord:
+    """What one peer measured about its own links and compute, published with an expiry.
+
+    Rates are bytes/s; 0 means unknown. ``pairs`` maps a peer id to the rate measured from this
+    peer to that one (a lower bound of the path's capacity). The planner reads these.
+    """
+
+    peer_id: str
+    upload: float = 0.0
+    download: float = 0.0
+    pairs: dict[str, float] | None = None
+    client: bool = False
+    """Accepts no inbound connections (client mode): can never aggregate."""
+    relayed: bool = False
+    """Reachable only through a relay: counted as a client by the planner."""
+    aggregator_only: bool = False
+    samples_per_second: float = 0.0
+    time: float = 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"u": self.upload, "d": self.download, "p": dict(self.pairs or {}), "c": self.client,
+                "r": self.relayed, "a": self.aggregator_only, "sps": self.samples_per_second, "t": self.time}
+
+    @classmethod
+    def from_wire(cls, peer_id: str, obj: Any) -> "CapabilityRecord | None":
+        try:
+            pairs = {str(k): float(v) for k, v in dict(obj.get("p", {})).items()}
+            rec = cls(peer_id=peer_id, upload=float(obj["u"]), download=float(obj["d"]), pairs=pairs,
+                      client=bool(obj.get("c", False)), relayed=bool(obj.get("r", False)),
+                      aggregator_only=bool(obj.get("a", False)), samples_per_second=float(obj.get("sps", 0.0)),
+                      time=float(obj.get("t", 0.0)))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            logger.debug(f"ignoring malformed capability record from {peer_id}")
+            return None
+        numbers = (rec.upload, rec.download, rec.samples_per_second, rec.time, *pairs.values())
+        if len(pairs) > MAX_PAIRS or not all(math.isfinite(x) and x >= 0 for x in numbers):
+            logger.debug(f"ignoring out-of-range capability record from {peer_id}")
+            return None
+        return rec

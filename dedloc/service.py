@@ -16,6 +16,7 @@ from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import DedlocError
 from dedloc.net.node import Node
 from dedloc.net.runtime import SharedBuffer
+from dedloc.planning.planner import Planner
 from dedloc.records import ProgressRecord
 from dedloc.state.transfer import StateServer
 
@@ -24,26 +25,35 @@ logger = logging.getLogger(__name__)
 
 class PeerService:
     PUBLIC = frozenset({"info", "publish_progress", "read_progress", "register_buffer", "average", "ping",
-                        "closed_round", "report", "offer_state", "download_state", "leave"})
+                        "closed_round", "report", "offer_state", "download_state", "leave", "probe",
+                        "capabilities"})
 
-    def __init__(self, node: Node, averager: Averager, states: StateServer):
-        self.node, self.averager, self.states = node, averager, states
+    def __init__(self, node: Node, averager: Averager, states: StateServer, planner: Planner):
+        self.node, self.averager, self.states, self.planner = node, averager, states, planner
         self.buffers: dict[str, SharedBuffer] = {}
 
     @classmethod
     async def create(cls, peer_config: PeerConfig, averaging_config: AveragingConfig) -> "PeerService":
         node = await Node.create(peer_config)
+        planner = Planner(node, averaging_config)
         try:
-            averager = Averager(node, averaging_config)
+            bytes_per_element = 2 if averaging_config.compression == "float16" else 4
+
+            async def policy(members, numel):
+                return await planner.shares(members, numel, bytes_per_element)
+
+            averager = Averager(node, averaging_config, policy, planner.observe_round)
             await averager.start()
             states = StateServer(node)
             await states.start()
+            await planner.start()
         except BaseException:
+            await planner.close()
             await node.shutdown()
             raise
         mode = "client mode" if peer_config.client_mode else "reachable"
         logger.info(f"joined run {peer_config.run_id!r} as {node.peer_id.to_base58()} ({mode})")
-        return cls(node, averager, states)
+        return cls(node, averager, states, planner)
 
     async def info(self) -> dict[str, Any]:
         return {"peer_id": self.node.peer_id.to_base58(), "maddrs": await self.node.visible_maddrs(),
@@ -64,6 +74,7 @@ class PeerService:
     async def report(self, record: dict[str, Any], ttl: float) -> tuple[list[ProgressRecord], bool]:
         """Publish this peer's progress, then read everyone's; also says whether a newcomer wants our state."""
         self.states.training_step = int(record["step"])
+        self.planner.samples_per_second = float(record.get("samples_per_second", 0.0))
         await self.publish_progress(record, ttl)
         return await self.read_progress(), self.states.wanted
 
@@ -89,10 +100,24 @@ class PeerService:
         return await self.averager.average(self.buffers[name].tensor, step, weight, expected_peers, timeout,
                                            gather_time)
 
+    async def probe(self, peers: list[str] | None = None) -> dict[str, Any]:
+        """Probe ``peers`` now (default: a few random ones) and publish the new estimates."""
+        result = await self.planner.probe_now(peers)
+        return {} if result is None else dict(vars(result))
+
+    async def capabilities(self) -> dict[str, Any]:
+        """Everyone's published capabilities (as read now), and the last plan this peer made as a leader."""
+        await self.planner.refresh()
+        plan = self.planner.last_plan
+        return {"peers": {p: r.to_wire() for p, r in self.planner.snapshot.items()},
+                "plan": None if plan is None else {"peers": list(plan.peer_ids), "shares": list(plan.shares),
+                                                   "strategy": plan.strategy, "predicted_s": plan.predicted_s}}
+
     async def closed_round(self, step: int) -> dict[str, list[str]]:
         return await self.averager.matchmaker.closed_round(step)
 
     async def shutdown(self) -> None:
+        await self.planner.close()
         for buf in self.buffers.values():
             buf.close()
         await self.node.shutdown()

@@ -42,6 +42,14 @@ class RoundStats:
         self.failovers = 0
         self.excluded: dict[str, str] = {}
         self.part_weights: dict[int, float] = {}
+        self.received_bytes = 0
+        self.received_span: tuple[float, float] | None = None
+        """(first, last) perf_counter time of payload bytes received: a passive download measurement."""
+
+    def received(self, nbytes: int, start: float, end: float) -> None:
+        self.received_bytes += nbytes
+        first, last = self.received_span or (start, end)
+        self.received_span = (min(first, start), max(last, end))
 
 
 class _Failover:
@@ -104,7 +112,9 @@ class PartitionedRound:
     async def _read_part(self, reader: asyncio.StreamReader, header: Header, part: int) -> torch.Tensor:
         s, e = self.bounds[part]
         buf = torch.empty(e - s, dtype=self.wire_dtype)
+        start = time.perf_counter()
         await read_payload_into(reader, header, buf, self.chunk_bytes)
+        self.stats.received(buf.numel() * buf.element_size(), start, time.perf_counter())
         data = buf if buf.dtype == torch.float32 else buf.float()
         if not bool(torch.isfinite(data).all()):
             raise ProtocolError("contains NaN or inf values")
@@ -123,8 +133,14 @@ class PartitionedRound:
 
     # ---- member side ---------------------------------------------------------------------------
     async def run(self) -> torch.Tensor:
-        """Average; returns the output buffer. Raises AveragingError on failure, before the deadline."""
-        tasks = [asyncio.create_task(self._exchange(j)) for j in self.aggregators if j != self.me]
+        """Average; returns the output buffer. Raises AveragingError on failure, before the deadline.
+
+        A member that needs no result (aggregator-only) fetches only the parts it backs up, so
+        the output holds its own part and those; nobody else's.
+        """
+        fetch = self.group.members[self.me].fetch
+        tasks = [asyncio.create_task(self._exchange(j)) for j in self.aggregators
+                 if j != self.me and (fetch or self.group.backup(j) == self.me)]
         if self.me in self.aggregators:
             tasks.append(asyncio.create_task(self._aggregate_own_part()))
         try:

@@ -14,14 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from hivemind.p2p import PeerID
 
 from dedloc.averaging.allreduce import PartitionedRound
 from dedloc.averaging.group import Group, sub_round_id
-from dedloc.averaging.matchmaking import Matchmaker
+from dedloc.averaging.matchmaking import Matchmaker, SharePolicy
 from dedloc.averaging.ring import RingRound
 from dedloc.averaging.wire import Header, Kind, read_header, read_payload_into, write_error, write_frame
 from dedloc.config import AveragingConfig
@@ -60,10 +60,16 @@ class _Broadcast:
 class Averager:
     """One peer's averaging: call ``average`` once per step with that step's tensor."""
 
-    def __init__(self, node: Node, config: AveragingConfig):
+    def __init__(self, node: Node, config: AveragingConfig, policy: SharePolicy | None = None,
+                 on_received: Callable[[int, float], None] | None = None):
+        """``policy`` sets the shares of rounds this peer leads (None: the members' declared shares);
+        ``on_received(bytes, seconds)`` is told what each round downloaded, for bandwidth estimates."""
         self.node, self.config = node, config.validate()
+        if config.aggregator_only and node.config.client_mode:
+            raise AveragingError("an aggregator-only peer must accept connections (it cannot be in client mode)")
         share = config.share if config.share is not None else (0.0 if node.config.client_mode else 1.0)
-        self.matchmaker = Matchmaker(node, config, share)
+        self.matchmaker = Matchmaker(node, config, share, policy)
+        self.on_received = on_received
         self.me = node.peer_id.to_base58()
         self.proto = f"dedloc.{node.config.run_id}.allreduce"
         self._rounds: dict[bytes, _Round] = {}
@@ -129,15 +135,18 @@ class Averager:
                                  f"on {tensor.device}")
         if not (weight >= 0 and weight != float("inf")):
             raise AveragingError(f"weight must be finite and >= 0, got {weight}")
+        if self.config.aggregator_only and weight != 0:
+            raise AveragingError(f"an aggregator-only peer contributes nothing; got weight {weight}")
         if weight > 0 and not bool(torch.isfinite(tensor).all()):
             raise AveragingError(f"step {step}: local tensor has NaN or inf values; refusing to send it")
         timeout = timeout or self.config.averaging_timeout
         t0 = time.perf_counter()
-        group = await self.matchmaker.form_group(step, weight, expected_peers, gather_time)
+        group = await self.matchmaker.form_group(step, weight, expected_peers, gather_time, tensor.numel())
         t1 = time.perf_counter()
         me = group.index(self.me)
         stats: dict[str, Any] = {"step": step, "group_size": len(group.members),
-                                 "peers": [m.peer_id for m in group.members], "failovers": 0, "excluded": {}}
+                                 "peers": [m.peer_id for m in group.members], "failovers": 0, "excluded": {},
+                                 "shares": [m.share for m in group.members], "strategy": group.strategy}
         if len(group.members) == 1:
             output, total = tensor.clone(), weight
         elif group.strategy == "ring":
@@ -148,7 +157,8 @@ class Averager:
             output, total = await self._hierarchical(group, me, tensor, weight, timeout, stats)
         else:
             output, total = await self._partitioned(group, me, tensor, weight, timeout, stats)
-        tensor.copy_(output)
+        if group.members[me].fetch:
+            tensor.copy_(output)
         stats.update(total_weight=total, matchmaking_s=t1 - t0, allreduce_s=time.perf_counter() - t1)
         logger.info(f"step {step} averaged with {len(group.members)} peers in {time.perf_counter() - t0:.2f} s"
                     + (f" ({stats['failovers']} failovers, excluded {sorted(stats['excluded'])})"
@@ -165,6 +175,9 @@ class Averager:
         finally:
             stats["failovers"] += rnd.stats.failovers
             stats["excluded"].update(rnd.stats.excluded)
+            span = rnd.stats.received_span
+            if self.on_received is not None and span is not None and span[1] > span[0]:
+                self.on_received(rnd.stats.received_bytes, span[1] - span[0])
         weights = rnd.stats.part_weights
         total = min(weights.values()) if weights else weight
         return output, total
@@ -181,7 +194,9 @@ class Averager:
             broadcast = _Broadcast({group.members[i].peer_id for i in group.subgroups[k]} - {self.me})
             self._register(final_id, broadcast, timeout + ROUND_GRACE)
         try:
-            sub_out, _ = await self._partitioned(sub, sub.index(self.me), local, weight, timeout / 3, stats)
+            sub_out, total = await self._partitioned(sub, sub.index(self.me), local, weight, timeout / 3, stats)
+            if not group.members[me].fetch:  # aggregator-only: its work ends with its subgroup
+                return sub_out, total
             if me != rep:
                 return await self._fetch(group, rep, final_id, local.numel(), timeout / 3)
             declared = {group.representative(j): sum(group.members[i].weight for i in group.subgroups[j])

@@ -27,6 +27,8 @@ class Member:
     share: float
     """Relative share of the vector this member aggregates; 0 for client-mode peers."""
     client: bool = False
+    fetch: bool = True
+    """Needs the averaged result (False for an aggregator-only peer)."""
 
 
 def sub_round_id(round_id: bytes, tag: str) -> bytes:
@@ -101,15 +103,16 @@ class Group:
         return replace(self, round_id=sub_round_id(self.round_id, f"sub{k}"), members=members, subgroups=())
 
     def representative(self, k: int) -> int:
-        """The member of subgroup k that joins the top-level reduce: its largest-share aggregator."""
+        """The member of subgroup k that joins the top-level reduce: its largest-share reachable
+        member among those that need the result (it must hold the subgroup's mean)."""
         sub = self.subgroups[k]
-        return max((i for i in sub if self.members[i].share > 0 and not self.members[i].client),
-                   key=lambda i: (self.members[i].share, self.members[i].peer_id))
+        return max((i for i in sub if _can_represent(self.members[i])),
+                   key=lambda i: (self.members[i].share > 0, self.members[i].share, self.members[i].peer_id))
 
     def top_group(self, weights: dict[int, float]) -> "Group":
         reps = sorted((self.representative(k) for k in range(len(self.subgroups))),
                       key=lambda i: self.members[i].peer_id)
-        members = tuple(replace(self.members[i], weight=weights.get(i, 0.0)) for i in reps)
+        members = tuple(replace(self.members[i], weight=weights.get(i, 0.0), share=1.0) for i in reps)
         return replace(self, round_id=sub_round_id(self.round_id, "top"), members=members, subgroups=())
 
     # ---- wire ----------------------------------------------------------------------------------
@@ -117,7 +120,7 @@ class Group:
         return {
             "round_id": self.round_id,
             "step": self.step,
-            "members": [[m.peer_id, m.weight, m.share, m.client] for m in self.members],
+            "members": [[m.peer_id, m.weight, m.share, m.client, m.fetch] for m in self.members],
             "subgroups": [list(s) for s in self.subgroups],
             "strategy": self.strategy,
             "compression": self.compression,
@@ -126,7 +129,7 @@ class Group:
     @classmethod
     def from_wire(cls, obj: Any) -> "Group":
         try:
-            members = tuple(Member(str(p), float(w), float(s), bool(c)) for p, w, s, c in obj["members"])
+            members = tuple(Member(str(p), float(w), float(s), bool(c), bool(f)) for p, w, s, c, f in obj["members"])
             subgroups = tuple(tuple(int(i) for i in s) for s in obj["subgroups"])
             strategy, compression = str(obj["strategy"]), str(obj["compression"])
             if strategy not in STRATEGIES or compression not in COMPRESSIONS:
@@ -141,20 +144,28 @@ class Group:
             flat = sorted(i for s in subgroups for i in s)
             if flat != list(range(len(members))):
                 raise ProtocolError("subgroups must cover every member exactly once")
+            if not all(any(_can_represent(members[i]) for i in s) for s in subgroups):
+                raise ProtocolError("every subgroup needs a reachable member that takes the result")
         return group
+
+
+def _can_represent(m: Member) -> bool:
+    """Reachable and takes the result (the share may be 0 after planning: it is still dialable)."""
+    return not m.client and m.fetch
 
 
 def split_into_subgroups(members: tuple[Member, ...], max_size: int) -> tuple[tuple[int, ...], ...]:
     """Split sorted members into near-equal subgroups of at most ``max_size``, each with an aggregator.
 
-    Aggregators are dealt round-robin first so every subgroup can reduce on its own; then the
-    rest fill up the smallest subgroups. Returns () when one group suffices.
+    Reachable members that take the result are dealt round-robin first, so every subgroup can
+    reduce on its own and has a representative; then the rest fill up the smallest subgroups.
+    Returns () when one group suffices.
     """
     n = len(members)
     if n <= max_size:
         return ()
     count = math.ceil(n / max_size)
-    aggs = [i for i, m in enumerate(members) if m.share > 0 and not m.client]
+    aggs = [i for i, m in enumerate(members) if _can_represent(m) and m.share > 0]
     if len(aggs) < count:
         count = max(1, len(aggs))
     subs: list[list[int]] = [[] for _ in range(count)]

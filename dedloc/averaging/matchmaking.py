@@ -5,7 +5,8 @@ Protocol (docs/averaging.md has the reasoning):
 2. It waits until the expected number of peers are ready, or ``matchmaking_time`` passes.
 3. The leader is the smallest peer id among the ready, reachable (non-client) peers. Others send
    it a ``join`` request over a stream; the leader answers all of them with the same Group when
-   it closes the round, and publishes ``{run}.closed.{s}[leader]`` with the member list.
+   it closes the round, and publishes ``{run}.closed.{s}[leader]`` with the member list. The
+   shares in that Group come from the leader's planner, so every member follows one plan.
 4. A leader that later sees a smaller reachable peer steps down and redirects its joiners.
    A peer that asks a closed leader, or finds a closed group without itself, gets
    :class:`MissedRoundError` and joins the next step.
@@ -21,8 +22,8 @@ import asyncio
 import logging
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Awaitable, Callable
 
 from hivemind.p2p import PeerID
 
@@ -46,22 +47,27 @@ class _Lead:
     redirect: str | None = None
 
 
+SharePolicy = Callable[[tuple[Member, ...], int], Awaitable[tuple[float, ...]]]
+"""(members, numel) -> the shares of one (sub)group, decided by the leader's planner."""
+
+
 def _parse_entry(peer_id: str, value: Any) -> Member | None:
     try:
-        w, s, c = float(value["w"]), float(value["s"]), bool(value["c"])
-    except (KeyError, TypeError, ValueError):
+        w, s, c, f = float(value["w"]), float(value["s"]), bool(value["c"]), bool(value.get("f", True))
+    except (KeyError, TypeError, ValueError, AttributeError):
         logger.debug(f"ignoring malformed ready record of {peer_id}")
         return None
-    if not (math.isfinite(w) and math.isfinite(s) and w >= 0 and s >= 0):
-        return None
-    return Member(peer_id, w, 0.0 if c else s, c)
+    if not (math.isfinite(w) and math.isfinite(s) and w >= 0 and s >= 0) or (not f and (w > 0 or c)):
+        return None  # an aggregator-only peer contributes nothing and must be reachable
+    return Member(peer_id, w, 0.0 if c else s, c, f)
 
 
 class Matchmaker:
     """Forms the group of each step for one peer. Lives in the runtime process."""
 
-    def __init__(self, node: Node, config: AveragingConfig, share: float):
-        self.node, self.config, self.share = node, config, share
+    def __init__(self, node: Node, config: AveragingConfig, share: float, policy: SharePolicy | None = None):
+        self.node, self.config, self.share, self.policy = node, config, share, policy
+        self.fetch = not config.aggregator_only
         self.me = node.peer_id.to_base58()
         self.client = node.config.client_mode
         self.proto = f"dedloc.{node.config.run_id}.join"
@@ -100,17 +106,19 @@ class Matchmaker:
 
     # ---- entry point -----------------------------------------------------------------------------
     async def form_group(self, step: int, weight: float, expected_peers: int | None = None,
-                         gather_time: float | None = None) -> Group:
+                         gather_time: float | None = None, numel: int = 0) -> Group:
         """Agree on this step's group; raises MissedRoundError or MatchmakingError.
 
         Waits up to ``gather_time`` (default: matchmaking_time) for ``expected_peers`` to be ready.
+        ``numel`` (the vector's size) lets a leading peer's planner size the plan.
         """
         loop = asyncio.get_running_loop()
         t = self.config.matchmaking_time
         gather = t if gather_time is None else max(0.0, gather_time)
         gather_deadline = loop.time() + gather
-        me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client)
-        await self.node.store(self.node.key("ready", step), self.me, {"w": me.weight, "s": me.share, "c": me.client},
+        me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client, self.fetch)
+        await self.node.store(self.node.key("ready", step), self.me,
+                              {"w": me.weight, "s": me.share, "c": me.client, "f": me.fetch},
                               ttl=3 * t + gather + self.config.averaging_timeout)
         while True:
             ready = await self._ready(step, me)
@@ -126,11 +134,12 @@ class Matchmaker:
         if not candidates:
             raise MatchmakingError(f"step {step}: no reachable (non-client) peer is ready to aggregate")
         if candidates[0] == self.me:
-            return await self._run_lead(step, me, expected_peers, loop.time() + t)
-        return await self._run_follow(step, me, candidates, loop.time() + 2 * t, gather)
+            return await self._run_lead(step, me, expected_peers, loop.time() + t, numel)
+        return await self._run_follow(step, me, candidates, loop.time() + 2 * t, gather, numel)
 
     # ---- leader ----------------------------------------------------------------------------------
-    async def _run_lead(self, step: int, me: Member, expected: int | None, close_deadline: float) -> Group:
+    async def _run_lead(self, step: int, me: Member, expected: int | None, close_deadline: float,
+                        numel: int = 0) -> Group:
         loop = asyncio.get_running_loop()
         state = _Lead({self.me: me})
         self._lead[step] = state
@@ -142,19 +151,39 @@ class Matchmaker:
                 state.redirect = smaller[0]
                 state.done.set()
                 logger.info(f"step {step}: stepping down as leader for {smaller[0]}")
-                return await self._run_follow(step, me, smaller, loop.time() + 2 * self.config.matchmaking_time)
+                return await self._run_follow(step, me, smaller, loop.time() + 2 * self.config.matchmaking_time,
+                                              numel=numel)
             if set(ready) <= set(state.members) and (not expected or len(state.members) >= expected):
                 break
             await asyncio.sleep(POLL)
         members = tuple(sorted(state.members.values(), key=lambda m: m.peer_id))
-        group = Group(os.urandom(16), step, members, split_into_subgroups(members, self.config.max_group_size),
-                      self.config.strategy, self.config.compression)
+        subgroups = split_into_subgroups(members, self.config.max_group_size)
+        if self.policy is not None and self.config.strategy == "partitioned":
+            members = await self._planned(members, subgroups, numel)
+        group = Group(os.urandom(16), step, members, subgroups, self.config.strategy, self.config.compression)
         state.group = group
         await self.node.store(self.node.key("closed", step), self.me, [m.peer_id for m in members],
                               ttl=3 * self.config.matchmaking_time + self.config.averaging_timeout)
         state.done.set()
         logger.debug(f"step {step}: led a group of {len(members)}")
         return group
+
+    async def _planned(self, members: tuple[Member, ...], subgroups: tuple[tuple[int, ...], ...],
+                       numel: int) -> tuple[Member, ...]:
+        """Members with the planner's shares: one plan per subgroup (or for the whole flat group)."""
+        out = list(members)
+        for sub in subgroups or (tuple(range(len(members))),):
+            try:
+                shares = await self.policy(tuple(members[i] for i in sub), numel)
+            except Exception as e:  # planning never fails a round: keep the declared shares
+                logger.warning(f"planning failed ({type(e).__name__}: {e}); using the declared shares")
+                return members
+            if len(shares) != len(sub) or not any(g > 0 for g in shares):
+                logger.warning("the planner returned no usable shares; using the declared shares")
+                return members
+            for i, g in zip(sub, shares):
+                out[i] = replace(members[i], share=float(g) if members[i].share > 0 and not members[i].client else 0.0)
+        return tuple(out)
 
     async def _on_join(self, remote: PeerID, request: Any) -> dict[str, Any]:
         peer = remote.to_base58()
@@ -193,10 +222,11 @@ class Matchmaker:
 
     # ---- follower --------------------------------------------------------------------------------
     async def _run_follow(self, step: int, me: Member, candidates: list[str], deadline: float,
-                          gather: float = 0.0) -> Group:
+                          gather: float = 0.0, numel: int = 0) -> Group:
         loop = asyncio.get_running_loop()
         self._decision(step).set()
-        request = {"v": VERSION, "step": step, "w": me.weight, "s": me.share, "c": me.client, "g": gather}
+        request = {"v": VERSION, "step": step, "w": me.weight, "s": me.share, "c": me.client, "f": me.fetch,
+                   "g": gather}
         tried: set[str] = set()
         leader = candidates[0]
         for _ in range(8):
@@ -211,7 +241,7 @@ class Matchmaker:
                 rest = [c for c in candidates if c not in tried and c != self.me]
                 if not rest or rest[0] > self.me:
                     if not self.client:
-                        return await self._run_lead(step, me, None, deadline)
+                        return await self._run_lead(step, me, None, deadline, numel)
                     raise MatchmakingError(f"step {step}: no reachable leader among {candidates}") from None
                 leader = rest[0]
                 continue

@@ -1,0 +1,192 @@
+"""The planner of one peer: measures its links, publishes its capabilities, plans rounds it leads.
+
+Lives in the runtime process. Three owned background duties, cancelled by ``close()``:
+- probe up to ``probe_peers`` random reachable peers every ``probe_interval`` seconds;
+- publish this peer's :class:`CapabilityRecord` (expiring) every ``PUBLISH_INTERVAL`` seconds;
+- nothing else: plans are computed on demand by the matchmaking leader, from a snapshot of
+  everyone's records refreshed every ``replan_interval`` seconds or when a member is missing.
+
+Every member of a round uses the leader's plan, since the shares travel inside the Group.
+A planning failure never fails a round: the leader falls back to equal shares and logs why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import statistics
+import time
+
+from dedloc.averaging.group import Member
+from dedloc.config import AveragingConfig
+from dedloc.errors import ConfigError
+from dedloc.net.node import Node
+from dedloc.planning import lp
+from dedloc.planning.estimate import LinkEstimates
+from dedloc.planning.probe import ProbeResult, ProbeServer, probe
+from dedloc.records import CapabilityRecord
+
+logger = logging.getLogger(__name__)
+PUBLISH_INTERVAL = 30.0
+MIN_REFRESH = 10.0
+MBIT = 1e6 / 8
+
+
+class Planner:
+    def __init__(self, node: Node, config: AveragingConfig):
+        self.node, self.config = node, config
+        self.me = node.peer_id.to_base58()
+        up = config.upload_mbps * MBIT if config.upload_mbps is not None else None
+        down = config.download_mbps * MBIT if config.download_mbps is not None else None
+        self.links = LinkEstimates.create(up, down)
+        self.samples_per_second = 0.0
+        self.server = ProbeServer(node)
+        self.snapshot: dict[str, CapabilityRecord] = {}
+        self._snapshot_time = -1e9
+        self._last: lp.Plan | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        await self.server.start()
+        self._tasks.append(asyncio.create_task(self._publish_loop()))
+        if self.config.probe_interval > 0 and (self.config.upload_mbps is None or self.config.download_mbps is None):
+            self._tasks.append(asyncio.create_task(self._probe_loop()))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- measurement ---------------------------------------------------------------------------
+    def record(self) -> CapabilityRecord:
+        return CapabilityRecord(self.me, self.links.upload.value(), self.links.download.value(),
+                                self.links.pair_values(), self.node.config.client_mode, False,
+                                self.config.aggregator_only, self.samples_per_second, time.time())
+
+    def observe_round(self, received_bytes: float, seconds: float) -> None:
+        """Passive measurement: what this peer received in one round, and over how long."""
+        self.links.download.observe(received_bytes, seconds)
+
+    async def probe_now(self, peers: list[str] | None = None) -> ProbeResult | None:
+        """Probe ``peers`` (default: random reachable ones) and publish the new estimates."""
+        if peers is None:
+            await self._refresh()
+            candidates = sorted(p for p, r in self.snapshot.items() if p != self.me and not r.client)
+            peers = random.sample(candidates, min(self.config.probe_peers, len(candidates)))
+        if not peers:
+            return None
+        n = int(self.config.probe_mb * (1 << 20))
+        result = await probe(self.node, peers, n)
+        for peer, rate in result.pushed.items():
+            self.links.observe_pair(peer, n, n / rate)
+        if result.upload:
+            self.links.upload.observe(n * len(result.pushed), n * len(result.pushed) / result.upload)
+        if result.download:
+            self.links.download.observe(n * len(result.pulled), n * len(result.pulled) / result.download)
+        for peer, why in result.failed.items():
+            logger.debug(f"probe of {peer} failed: {why}")
+        logger.debug(f"probed {len(peers)} peers: upload {result.upload / MBIT:.1f} Mbit/s, "
+                     f"download {result.download / MBIT:.1f} Mbit/s")
+        await self.publish()
+        return result
+
+    async def publish(self) -> None:
+        rec = self.record()
+        await self.node.store(self.node.key("caps"), self.me, rec.to_wire(), ttl=3 * PUBLISH_INTERVAL)
+        self.snapshot[self.me] = rec
+
+    async def _publish_loop(self) -> None:
+        while True:
+            try:
+                await self.publish()
+            except Exception as e:
+                logger.debug(f"could not publish capabilities: {e!r}")
+            await asyncio.sleep(PUBLISH_INTERVAL)
+
+    async def _probe_loop(self) -> None:
+        await asyncio.sleep(random.uniform(1.0, 5.0))
+        while True:
+            try:
+                await self.probe_now()
+            except Exception as e:
+                logger.debug(f"probing failed: {e!r}")
+            await asyncio.sleep(self.config.probe_interval * random.uniform(0.8, 1.2))
+
+    async def refresh(self) -> None:
+        """Read everyone's capability records now."""
+        await self._refresh(force=True)
+
+    async def _refresh(self, force: bool = False) -> None:
+        age = time.monotonic() - self._snapshot_time
+        if not force and age < self.config.replan_interval:
+            return
+        entries = await self.node.get(self.node.key("caps"))
+        snap = {p: r for p, (v, _) in entries.items() if (r := CapabilityRecord.from_wire(p, v)) is not None}
+        snap[self.me] = self.record()
+        self.snapshot, self._snapshot_time = snap, time.monotonic()
+
+    # ---- planning ------------------------------------------------------------------------------
+    def plan_peers(self, members: tuple[Member, ...]) -> tuple[list[lp.PlanPeer], dict[tuple[int, int], float]]:
+        """The LP's view of ``members``: measured rates, unknown ones filled with the median of the known."""
+        recs = [self.snapshot.get(m.peer_id) for m in members]
+        known_up = [r.upload for r in recs if r is not None and r.upload > 0]
+        known_down = [r.download for r in recs if r is not None and r.download > 0]
+        fill_up = statistics.median(known_up) if known_up else 1.0
+        fill_down = statistics.median(known_down) if known_down else 1.0
+        peers = []
+        for m, r in zip(members, recs):
+            peers.append(lp.PlanPeer(
+                m.peer_id, r.upload if r is not None and r.upload > 0 else fill_up,
+                r.download if r is not None and r.download > 0 else fill_down,
+                sends=m.weight > 0, receives=m.fetch, can_aggregate=m.share > 0 and not m.client,
+                samples_per_second=r.samples_per_second if r is not None else 0.0))
+        index = {m.peer_id: i for i, m in enumerate(members)}
+        pairs = {}
+        for i, r in enumerate(recs):
+            for other, rate in ((r.pairs or {}).items() if r is not None else ()):
+                if other in index and rate > 0:
+                    pairs[(i, index[other])] = rate
+        return peers, pairs
+
+    async def shares(self, members: tuple[Member, ...], numel: int, bytes_per_element: int = 4) -> tuple[float, ...]:
+        """The shares for one round among ``members``; equal shares (with a logged reason) on any failure."""
+        mode = self.config.planner
+        if mode == "declared":
+            return tuple(m.share for m in members)
+        peers: list[lp.PlanPeer] = []
+        try:
+            if mode in ("lp", "bandwidth"):
+                if any(m.peer_id not in self.snapshot for m in members) and \
+                        time.monotonic() - self._snapshot_time > MIN_REFRESH:
+                    await self._refresh(force=True)
+                else:
+                    await self._refresh()
+            peers, pairs = self.plan_peers(members)
+            nbytes = max(1, numel) * bytes_per_element
+            if mode == "equal":
+                plan = lp.plan_with(peers, lp.equal_shares(peers), nbytes)
+            elif mode == "bandwidth":
+                plan = lp.plan_with(peers, lp.bandwidth_shares(peers), nbytes)
+            else:
+                plan = lp.choose(peers, nbytes, pairs)
+        except ConfigError as e:
+            logger.warning(f"planning failed ({e}); using equal shares")
+            return tuple(lp.equal_shares(peers)) if peers else tuple(m.share for m in members)
+        self._log(plan, nbytes)
+        return plan.shares
+
+    def _log(self, plan: lp.Plan, nbytes: int) -> None:
+        last = self._last
+        self._last = plan
+        if last is not None and last.peer_ids == plan.peer_ids and last.strategy == plan.strategy and max(
+                abs(a - b) for a, b in zip(last.shares, plan.shares)) < 0.05:
+            return
+        active = sum(1 for g in plan.shares if g > 0)
+        logger.info(f"plan: {plan.strategy} over {len(plan.peer_ids)} peers ({active} aggregate), predicted "
+                    f"{plan.predicted_s:.2f} s for {nbytes / 1e6:.1f} MB (solved in {plan.solve_s * 1e3:.0f} ms)")
+        logger.debug("plan shares: " + ", ".join(f"{p[:8]}={g:.3f}" for p, g in zip(plan.peer_ids, plan.shares)))
+
+    @property
+    def last_plan(self) -> lp.Plan | None:
+        return self._last
