@@ -1,4 +1,5 @@
-"""The `dedloc` command: ``demo`` (a local collaboration) and ``backbone`` (a CPU-only helper peer).
+"""The `dedloc` command: ``demo`` (a local collaboration), ``backbone`` (a CPU-only peer keeping the
+DHT and checkpoints) and ``aggregator`` (a CPU-only peer that averages for the trainers).
 
 Options are generated from the configuration dataclasses, so the CLI and the Python API share
 one definition of every setting and its validation.
@@ -63,7 +64,7 @@ def from_args(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = ()) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dedloc.config import BackboneConfig, PeerConfig
+    from dedloc.config import AveragingConfig, BackboneConfig, PeerConfig
     from dedloc.demo.collab import DemoConfig
 
     parser = argparse.ArgumentParser(prog="dedloc", description="Collaborative deep learning (DeDLOC).")
@@ -78,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     backbone = sub.add_parser("backbone", help="run a CPU-only backbone peer: DHT, checkpoints, state for newcomers")
     add_fields(backbone, PeerConfig, skip=("client_mode",))
     add_fields(backbone, BackboneConfig)
+    aggregator = sub.add_parser("aggregator", help="run an aggregator-only peer: averages for the trainers, "
+                                                   "trains nothing (BytePS-style help from a CPU box)")
+    add_fields(aggregator, PeerConfig, skip=("client_mode",))
+    add_fields(aggregator, AveragingConfig, skip=("aggregator_only",))
     args = parser.parse_args(argv)
     from dedloc.logs import configure
 
@@ -101,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if ok else 1
         if args.command == "backbone":
             return _backbone(from_args(PeerConfig, args, skip=("client_mode",)), from_args(BackboneConfig, args))
+        if args.command == "aggregator":
+            return _aggregator(from_args(PeerConfig, args, skip=("client_mode",)),
+                               from_args(AveragingConfig, args, skip=("aggregator_only",)))
     except DedlocError as e:
         print(f"dedloc: error: {e}", file=sys.stderr)
         return 2
@@ -111,15 +119,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _backbone(peer_config, backbone_config) -> int:
-    from dedloc.logs import configure
     from dedloc.roles.backbone import Backbone
 
-    configure(peer_config.log_level)
-    node = Backbone(peer_config, backbone_config)
+    return _serve(lambda: Backbone(peer_config, backbone_config), "backbone", peer_config.log_level)
+
+
+def _aggregator(peer_config, averaging_config) -> int:
+    from dedloc.roles.aggregator import Aggregator
+
+    return _serve(lambda: Aggregator(peer_config, averaging_config), "aggregator", peer_config.log_level)
+
+
+def _serve(make, what: str, log_level: str) -> int:
+    """Run a role until SIGTERM or Ctrl+C, then close it (no daemon or socket is left behind)."""
+    from dedloc.logs import configure
+
+    configure(log_level)
+    node = make()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        print("backbone peer running; others join with --initial-peers " + " ".join(node.maddrs), flush=True)
+        print(f"{what} peer running; others join with --initial-peers " + " ".join(node.maddrs), flush=True)
         node.run(stop)
     except KeyboardInterrupt:
         pass

@@ -40,6 +40,8 @@ class Peer:
 
     @property
     def role(self) -> Role:
+        if self.averaging.aggregator_only:
+            return Role.AGGREGATOR
         return Role.CLIENT if self.config.client_mode else Role.TRAINER
 
     # ---- progress -------------------------------------------------------------------------------------
@@ -122,6 +124,17 @@ class Peer:
         """Everyone's capability records as read now (``peers``: id -> record) and the last plan
         this peer made as a round's leader (``plan``: peers, shares, strategy, predicted_s)."""
         return self.runtime.call("capabilities")
+
+    def reconfigure(self, *, planner: str | None = None, strategy: str | None = None,
+                    compression: str | None = None) -> None:
+        """Change how the rounds this peer leads are planned and run; raises ConfigError on a bad value."""
+        changes = {k: v for k, v in dict(planner=planner, strategy=strategy, compression=compression).items()
+                   if v is not None}
+        self.runtime.call("reconfigure", changes)
+
+    def pending_round(self, step: int) -> int:
+        """The size of the vector contributing peers are ready to average for ``step`` (0: none yet)."""
+        return self.runtime.call("pending_numel", step)
 
     def closed_round(self, step: int) -> dict[str, list[str]]:
         """Members of each group that closed for ``step`` (leader -> peer ids), read from the DHT."""

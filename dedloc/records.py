@@ -96,6 +96,11 @@ class CollaborationView:
         """Training peers (trainers and clients) accumulating for ``step``."""
         return tuple(r for r in self.peers if r.step == step and r.role.trains)
 
+    @property
+    def aggregators(self) -> tuple[ProgressRecord, ...]:
+        """Aggregator-only peers alive now (they join every round without contributing)."""
+        return tuple(r for r in self.peers if r.role == Role.AGGREGATOR)
+
     def samples_at(self, step: int) -> int:
         return sum(r.samples for r in self.trainers_at(step))
 

@@ -7,13 +7,14 @@ names in ``PUBLIC`` can be called.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
 
 from dedloc.averaging.averager import Averager
 from dedloc.config import AveragingConfig, PeerConfig
-from dedloc.errors import DedlocError
+from dedloc.errors import ConfigError, DedlocError
 from dedloc.net.node import Node
 from dedloc.net.runtime import SharedBuffer
 from dedloc.planning.planner import Planner
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 class PeerService:
     PUBLIC = frozenset({"info", "publish_progress", "read_progress", "register_buffer", "average", "ping",
                         "closed_round", "report", "offer_state", "download_state", "leave", "probe",
-                        "capabilities"})
+                        "capabilities", "reconfigure", "pending_numel"})
 
     def __init__(self, node: Node, averager: Averager, states: StateServer, planner: Planner):
         self.node, self.averager, self.states, self.planner = node, averager, states, planner
@@ -112,6 +113,19 @@ class PeerService:
         return {"peers": {p: r.to_wire() for p, r in self.planner.snapshot.items()},
                 "plan": None if plan is None else {"peers": list(plan.peer_ids), "shares": list(plan.shares),
                                                    "strategy": plan.strategy, "predicted_s": plan.predicted_s}}
+
+    async def reconfigure(self, changes: dict[str, Any]) -> None:
+        """Change how rounds this peer leads are planned and run (``planner``, ``strategy``, ``compression``)."""
+        config = self.averager.config
+        allowed = {"planner", "strategy", "compression"}
+        if not set(changes) <= allowed:
+            raise ConfigError(f"only {sorted(allowed)} can change at run time, not {sorted(set(changes) - allowed)}")
+        dataclasses.replace(config, **changes).validate()
+        for name, value in changes.items():
+            setattr(config, name, value)  # one object shared by the averager, matchmaker and planner
+
+    async def pending_numel(self, step: int) -> int:
+        return await self.averager.matchmaker.pending_numel(step)
 
     async def closed_round(self, step: int) -> dict[str, list[str]]:
         return await self.averager.matchmaker.closed_round(step)

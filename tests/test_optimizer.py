@@ -270,3 +270,49 @@ def test_a_garbage_state_from_a_donor_is_refused_clearly():
     finally:
         donor.close()
         newcomer.close()
+
+
+@pytest.mark.timeout(240)
+def test_aggregator_only_peer_takes_the_averaging_and_training_stays_exact():
+    """Two trainers with slow uplinks (one in client mode) and a CPU aggregator with bandwidth:
+    the plan hands the aggregator the vector (BytePS), and training is still the exact large batch."""
+    from dedloc.roles.aggregator import Aggregator
+
+    torch.set_num_threads(1)
+    steps, target = 6, 48
+    cfg = OptimizerConfig(target_batch_size=target)
+    slow = AveragingConfig(matchmaking_time=2, averaging_timeout=20, upload_mbps=8, download_mbps=80, probe_interval=0)
+    fast = AveragingConfig(matchmaking_time=2, averaging_timeout=20, upload_mbps=800, download_mbps=800,
+                           probe_interval=0)
+    rid = run_id()
+    first = Peer(PeerConfig(run_id=rid), slow)
+    peers = [first]
+    agg, stop = None, threading.Event()
+    try:
+        peers.append(Peer(PeerConfig(run_id=rid, initial_peers=tuple(first.maddrs), client_mode=True), slow))
+        agg = Aggregator(PeerConfig(run_id=rid, initial_peers=tuple(first.maddrs)), fast)
+        server = threading.Thread(target=agg.run, args=(stop,), daemon=True)
+        server.start()
+        deadline = time.monotonic() + 20
+        while not first.collaboration().aggregators:
+            assert time.monotonic() < deadline, "the aggregator never announced itself"
+            time.sleep(0.1)
+        trainers = [Trainer(i, p, cfg, micro=m, delay=0.01, steps=steps) for i, (p, m) in enumerate(zip(peers, (5, 7)))]
+        for t in trainers:
+            t.start()
+        join_all(trainers)
+        stop.set()
+        server.join(30)
+        assert not server.is_alive(), "the aggregator did not stop"
+    finally:
+        stop.set()
+        for p in peers:
+            p.close()
+        if agg is not None:
+            agg.close()
+    assert agg.rounds >= steps - 1 and agg.aggregated >= steps - 1, (agg.rounds, agg.aggregated)
+    assert all(rec.group_size == 3 for t in trainers for rec in t.opt.history[1:])
+    for s in range(steps + 1):
+        assert torch.equal(trainers[0].params[s], trainers[1].params[s]), f"peers differ after step {s}"
+    losses, params = replay([t.log for t in trainers], steps, clip=None)
+    torch.testing.assert_close(trainers[0].params[steps], params, rtol=1e-5, atol=1e-5)

@@ -32,7 +32,7 @@ def test_header_roundtrip_and_rejections():
     with pytest.raises(ProtocolError, match="bad magic"):
         unpack_header(b"XXXX" + bytes(raw[4:]))
     raw[4:6] = (99).to_bytes(2, "little")
-    with pytest.raises(ProtocolError, match="version mismatch: ours is 1, theirs is 99"):
+    with pytest.raises(ProtocolError, match="version mismatch: ours is 2, theirs is 99"):
         unpack_header(bytes(raw))
     bad_kind = HEADER.pack(b"DDLC", 1, 42, 1, RID, 0, 0.0, 0)
     with pytest.raises(ProtocolError, match="unknown frame kind"):

@@ -43,13 +43,22 @@ class RoundStats:
         self.excluded: dict[str, str] = {}
         self.part_weights: dict[int, float] = {}
         self.received_bytes = 0
-        self.received_span: tuple[float, float] | None = None
-        """(first, last) perf_counter time of payload bytes received: a passive download measurement."""
+        self._intervals: list[tuple[float, float]] = []
 
     def received(self, nbytes: int, start: float, end: float) -> None:
         self.received_bytes += nbytes
-        first, last = self.received_span or (start, end)
-        self.received_span = (min(first, start), max(last, end))
+        self._intervals.append((start, end))
+
+    @property
+    def receiving_s(self) -> float:
+        """Seconds during which at least one payload was arriving: with ``received_bytes``, a
+        passive measurement of this peer's download (a lower bound: senders may have been slower)."""
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(self._intervals):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
 
 
 class _Failover:
@@ -85,6 +94,12 @@ class PartitionedRound:
             s, e = self.bounds[me]
             self.acc = PartAccumulator(self.senders, e - s)
         self._own_ready = asyncio.Event()
+        fetch = group.members[me].fetch
+        self._exchanges = [j for j in self.aggregators if j != me and (fetch or group.backup(j) == me)]
+        self._unsent = set(self._exchanges)
+        self._sent_all = asyncio.Event()
+        if not self._unsent:
+            self._sent_all.set()
         self._own_error: str | None = None
         self._backup_connected = False
         self._backup_ok: asyncio.Future = loop.create_future()
@@ -138,9 +153,7 @@ class PartitionedRound:
         A member that needs no result (aggregator-only) fetches only the parts it backs up, so
         the output holds its own part and those; nobody else's.
         """
-        fetch = self.group.members[self.me].fetch
-        tasks = [asyncio.create_task(self._exchange(j)) for j in self.aggregators
-                 if j != self.me and (fetch or self.group.backup(j) == self.me)]
+        tasks = [asyncio.create_task(self._exchange(j)) for j in self._exchanges]
         if self.me in self.aggregators:
             tasks.append(asyncio.create_task(self._aggregate_own_part()))
         try:
@@ -156,6 +169,25 @@ class PartitionedRound:
             raise AveragingError(f"{self._prefix()}: {len(errors)} part(s) could not be averaged: {errors[0]}")
         return self.output
 
+    def _sent(self, j: int) -> None:
+        """This member's contribution to part ``j`` is written (or will never be)."""
+        self._unsent.discard(j)
+        if not self._unsent:
+            self._sent_all.set()
+
+    async def _phase_one_done(self) -> None:
+        """Wait until this member has sent all its contributions, at most until the reduce deadline.
+
+        An aggregator's results then never compete for its uplink with its own contributions to
+        other parts, which the other parts' aggregators are still waiting for: the round runs as
+        the planner's two-phase model assumes, and slow uplinks finish phase one first.
+        """
+        try:
+            left = self.reduce_deadline - asyncio.get_running_loop().time()
+            await asyncio.wait_for(self._sent_all.wait(), max(0.0, left))
+        except asyncio.TimeoutError:
+            pass
+
     async def _exchange(self, j: int) -> None:
         reason = ""
         try:
@@ -164,6 +196,7 @@ class PartitionedRound:
                 try:
                     await write_frame(writer, Kind.CONTRIB, self.group.round_id, j, self.weight,
                                       self._contribution(j), self.chunk_bytes)
+                    self._sent(j)
                     await self._read_result(reader, j, j)
                     self._have[j].set_result(True)
                     if self.group.backup(j) == self.me:
@@ -175,6 +208,8 @@ class PartitionedRound:
             reason = "no result before the deadline"
         except Exception as e:
             reason = f"{type(e).__name__}: {e}"
+        finally:
+            self._sent(j)
         if self._have[j].done():  # got the result; only the ACK failed
             return
         self._have[j].set_result(False)
@@ -282,6 +317,7 @@ class PartitionedRound:
         try:
             async with asyncio.timeout_at(self.result_deadline):
                 await self._own_ready.wait()
+                await self._phase_one_done()
                 if self._own_error:
                     await write_error(writer, self.group.round_id, self._own_error)
                     return

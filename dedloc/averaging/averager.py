@@ -175,9 +175,8 @@ class Averager:
         finally:
             stats["failovers"] += rnd.stats.failovers
             stats["excluded"].update(rnd.stats.excluded)
-            span = rnd.stats.received_span
-            if self.on_received is not None and span is not None and span[1] > span[0]:
-                self.on_received(rnd.stats.received_bytes, span[1] - span[0])
+            if self.on_received is not None and rnd.stats.receiving_s > 0:
+                self.on_received(rnd.stats.received_bytes, rnd.stats.receiving_s)
         weights = rnd.stats.part_weights
         total = min(weights.values()) if weights else weight
         return output, total

@@ -95,6 +95,19 @@ class Matchmaker:
         ready[self.me] = me
         return ready
 
+    async def pending_numel(self, step: int) -> int:
+        """The vector size that contributing peers are ready to average for ``step`` (0: none ready).
+
+        Lets an aggregator-only peer, which holds no model, join the rounds it can serve."""
+        sizes = []
+        for _, (value, _) in (await self.node.get(self.node.key("ready", step))).items():
+            try:
+                if float(value["w"]) > 0 and 0 < int(value["n"]) <= 1 << 34:
+                    sizes.append(int(value["n"]))
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue
+        return max(set(sizes), key=sizes.count) if sizes else 0
+
     async def closed_round(self, step: int) -> dict[str, list[str]]:
         """Leader -> members of every group closed for ``step``, as published in the DHT."""
         return {leader: value for leader, (value, _) in (await self.node.get(self.node.key("closed", step))).items()
@@ -118,7 +131,7 @@ class Matchmaker:
         gather_deadline = loop.time() + gather
         me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client, self.fetch)
         await self.node.store(self.node.key("ready", step), self.me,
-                              {"w": me.weight, "s": me.share, "c": me.client, "f": me.fetch},
+                              {"w": me.weight, "s": me.share, "c": me.client, "f": me.fetch, "n": int(numel)},
                               ttl=3 * t + gather + self.config.averaging_timeout)
         while True:
             ready = await self._ready(step, me)
@@ -229,6 +242,7 @@ class Matchmaker:
                    "g": gather}
         tried: set[str] = set()
         leader = candidates[0]
+        broken = 0
         for _ in range(8):
             self._follow[step] = leader
             tried.add(leader)
@@ -248,6 +262,15 @@ class Matchmaker:
             try:
                 await rpc.write_message(writer, request)
                 response = await asyncio.wait_for(rpc.read_message(reader), max(0.1, deadline - loop.time()))
+            except (ConnectionError, asyncio.IncompleteReadError) as e:
+                # The stream broke; the leader may or may not hold our join. Asking the same leader
+                # again is safe: a join is idempotent there, and its group is final once sent.
+                broken += 1
+                if broken > 2 or loop.time() >= deadline:
+                    raise MatchmakingError(f"step {step}: leader {leader} did not answer the join request: "
+                                           f"{type(e).__name__}: {e}") from None
+                logger.debug(f"step {step}: join stream to {leader} broke ({e!r}); asking again")
+                continue
             except Exception as e:
                 raise MatchmakingError(f"step {step}: leader {leader} did not answer the join request: "
                                        f"{type(e).__name__}: {e}") from None

@@ -21,7 +21,7 @@ import torch
 from dedloc.errors import ProtocolError
 
 MAGIC = b"DDLC"
-VERSION = 1
+VERSION = 2  # 2: group members carry a "fetch" flag; ready records carry the vector size
 HEADER = struct.Struct("<4sHBB16sIdQ")
 MAX_ERROR_BYTES = 4096
 

@@ -192,7 +192,8 @@ class CollaborativeOptimizer:
             weight = 0.0
         local_samples = self.acc.samples
         started = time.monotonic()
-        kwargs = dict(step=step, weight=weight, expected_peers=max(1, len(peers)), gather_time=gather)
+        expected = max(1, len(peers)) + len(view.aggregators)
+        kwargs = dict(step=step, weight=weight, expected_peers=expected, gather_time=gather)
         if self.config.delay_updates:
             future, finish = self.peer.average_async(vector, **kwargs)
             self._inflight = _Inflight(step, vector, future, finish, local_samples, started)

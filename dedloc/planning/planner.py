@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 PUBLISH_INTERVAL = 30.0
 MIN_REFRESH = 10.0
 MBIT = 1e6 / 8
+PAIR_LIMIT = 0.25
 
 
 class Planner:
@@ -69,15 +70,16 @@ class Planner:
         self.links.download.observe(received_bytes, seconds)
 
     async def probe_now(self, peers: list[str] | None = None) -> ProbeResult | None:
-        """Probe ``peers`` (default: random reachable ones) and publish the new estimates."""
+        """Probe ``peers`` (default: well-connected and random reachable ones) and publish the new estimates."""
         if peers is None:
-            await self._refresh()
-            candidates = sorted(p for p, r in self.snapshot.items() if p != self.me and not r.client)
-            peers = random.sample(candidates, min(self.config.probe_peers, len(candidates)))
-        if not peers:
+            await self._refresh(force=True)
+            push_to, pull_from = self._probe_targets("download"), self._probe_targets("upload")
+        else:
+            push_to = pull_from = list(peers)
+        if not push_to and not pull_from:
             return None
         n = int(self.config.probe_mb * (1 << 20))
-        result = await probe(self.node, peers, n)
+        result = await probe(self.node, push_to, pull_from, n)
         for peer, rate in result.pushed.items():
             self.links.observe_pair(peer, n, n / rate)
         if result.upload:
@@ -86,10 +88,20 @@ class Planner:
             self.links.download.observe(n * len(result.pulled), n * len(result.pulled) / result.download)
         for peer, why in result.failed.items():
             logger.debug(f"probe of {peer} failed: {why}")
-        logger.debug(f"probed {len(peers)} peers: upload {result.upload / MBIT:.1f} Mbit/s, "
-                     f"download {result.download / MBIT:.1f} Mbit/s")
+        logger.debug(f"probed: upload {result.upload / MBIT:.1f} Mbit/s to {len(result.pushed)} peers, "
+                     f"download {result.download / MBIT:.1f} Mbit/s from {len(result.pulled)} peers")
         await self.publish()
         return result
+
+    def _probe_targets(self, their: str) -> list[str]:
+        """Reachable peers with the best known ``their`` rate (a slow far end would hide our own
+        rate: push to fast downloaders, pull from fast uploaders), plus one at random."""
+        k = self.config.probe_peers
+        candidates = [r for p, r in self.snapshot.items() if p != self.me and not r.client]
+        known = sorted((r for r in candidates if getattr(r, their) > 0), key=lambda r: -getattr(r, their))
+        chosen = [r.peer_id for r in known[:max(0, k - 1)]]
+        rest = [r.peer_id for r in candidates if r.peer_id not in chosen]
+        return chosen + random.sample(rest, min(k - len(chosen), len(rest)))
 
     async def publish(self) -> None:
         rec = self.record()
@@ -145,8 +157,11 @@ class Planner:
         pairs = {}
         for i, r in enumerate(recs):
             for other, rate in ((r.pairs or {}).items() if r is not None else ()):
-                if other in index and rate > 0:
-                    pairs[(i, index[other])] = rate
+                j = index.get(other)
+                # a probed pair rate is a lower bound taken while up to probe_peers streams shared
+                # the link; only a path far slower than both of its ends is a real pairwise limit
+                if j is not None and 0 < rate < PAIR_LIMIT * min(peers[i].upload, peers[j].download):
+                    pairs[(i, j)] = rate
         return peers, pairs
 
     async def shares(self, members: tuple[Member, ...], numel: int, bytes_per_element: int = 4) -> tuple[float, ...]:

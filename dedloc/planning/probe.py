@@ -51,17 +51,47 @@ async def _send(writer: asyncio.StreamWriter, n: int) -> None:
         n -= k
 
 
-async def _receive(reader: asyncio.StreamReader, n: int) -> float:
-    """Read ``n`` bytes; seconds from the first byte to the last."""
-    first = None
-    while n > 0:
-        data = await reader.read(min(n, CHUNK))
+async def _receive(reader: asyncio.StreamReader, n: int, trace: list[tuple[float, int]] | None = None) -> float:
+    """Read ``n`` bytes; seconds from the first byte to the last. ``trace`` gets (time, bytes so far)."""
+    first, got = None, 0
+    while got < n:
+        data = await reader.read(min(n - got, CHUNK))
         if not data:
             raise ConnectionError("stream ended early")
+        now = time.perf_counter()
         if first is None:
-            first = time.perf_counter()
-        n -= len(data)
+            first = now
+            if trace is not None:
+                trace.append((now, 0))
+        got += len(data)
+        if trace is not None:
+            trace.append((now, got))
     return time.perf_counter() - first
+
+
+def _bytes_at(trace: list[tuple[float, int]], t: float) -> float:
+    """Bytes a stream had received at time ``t`` (linear between samples)."""
+    prev_t, prev_b = trace[0]
+    for tt, b in trace:
+        if tt >= t:
+            return prev_b + (b - prev_b) * ((t - prev_t) / (tt - prev_t) if tt > prev_t else 1.0)
+        prev_t, prev_b = tt, b
+    return trace[-1][1]
+
+
+def concurrent_rate(traces: list[list[tuple[float, int]]]) -> float | None:
+    """Total bytes/s while every stream was receiving at once (None if that window is too short).
+
+    Streams from slow and fast peers finish at different times; only the window in which all
+    were active shows what this peer's own link carries when it is the bottleneck.
+    """
+    traces = [t for t in traces if len(t) > 1]
+    if not traces:
+        return None
+    start, end = max(t[0][0] for t in traces), min(t[-1][0] for t in traces)
+    if end - start < 0.05:
+        return None
+    return sum(_bytes_at(t, end) - _bytes_at(t, start) for t in traces) / (end - start)
 
 
 class ProbeServer:
@@ -102,7 +132,8 @@ class ProbeServer:
             writer.close()
 
 
-async def _one(node: Node, proto: str, peer: str, direction: str, n: int) -> float:
+async def _one(node: Node, proto: str, peer: str, direction: str, n: int,
+               trace: list[tuple[float, int]] | None = None) -> float:
     _, reader, writer = await node.p2p.call_binary_stream_handler(PeerID.from_base58(peer), proto)
     try:
         await rpc.write_message(writer, {"v": VERSION, "dir": direction, "n": n})
@@ -116,19 +147,21 @@ async def _one(node: Node, proto: str, peer: str, direction: str, n: int) -> flo
             if not isinstance(seconds, float) or not 0 < seconds < 3600:
                 raise ProtocolError(f"malformed probe answer {answer!r}")
             return seconds
-        return await _receive(reader, n)
+        return await _receive(reader, n, trace)
     finally:
         writer.close()
 
 
-async def probe(node: Node, peers: list[str], nbytes: int, timeout: float = 60.0) -> ProbeResult:
-    """Push ``nbytes`` to every peer at once, then pull as much from every peer at once."""
+async def probe(node: Node, push_to: list[str], pull_from: list[str], nbytes: int,
+                timeout: float = 60.0) -> ProbeResult:
+    """Push ``nbytes`` to every peer of ``push_to`` at once, then pull as much from every peer of ``pull_from``."""
     proto = f"dedloc.{node.config.run_id}.probe"
     result = ProbeResult()
-    for direction, rates in (("push", result.pushed), ("pull", result.pulled)):
+    for direction, rates, peers in (("push", result.pushed, push_to), ("pull", result.pulled, pull_from)):
         start = time.perf_counter()
-        outcomes = await asyncio.gather(*(asyncio.wait_for(_one(node, proto, p, direction, nbytes), timeout)
-                                          for p in peers), return_exceptions=True)
+        traces: list[list[tuple[float, int]]] = [[] for _ in peers]
+        outcomes = await asyncio.gather(*(asyncio.wait_for(_one(node, proto, p, direction, nbytes, tr), timeout)
+                                          for p, tr in zip(peers, traces)), return_exceptions=True)
         wall = time.perf_counter() - start
         done = 0
         for peer, out in zip(peers, outcomes):
@@ -138,6 +171,9 @@ async def probe(node: Node, peers: list[str], nbytes: int, timeout: float = 60.0
                 rates[peer] = nbytes / out
                 done += 1
         total = done * nbytes / wall if done else 0.0
+        if direction == "pull" and done:
+            total = max(total, concurrent_rate([tr for tr, out in zip(traces, outcomes)
+                                                if not isinstance(out, BaseException)]) or 0.0)
         if direction == "push":
             result.upload = total
         else:

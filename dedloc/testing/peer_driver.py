@@ -1,0 +1,65 @@
+"""One peer driven over stdin/stdout with JSON lines, for tests and benchmarks in network namespaces.
+
+Commands: start, probe, average, caps, reconfigure, close. Each answers one JSON line
+({"ok": ...} or {"error": "..."}). Used by tests/test_netem.py and bench/netem/run.py; not a user-facing tool.
+"""
+
+import json
+import sys
+import time
+import traceback
+
+import torch
+
+from dedloc.config import AveragingConfig, PeerConfig
+from dedloc.peer import Peer
+
+
+def vector(seed: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+
+def main() -> None:
+    peer = None
+    out = sys.stdout
+    sys.stdout = sys.stderr  # only answers go to the real stdout
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            op = cmd.pop("op")
+            if op == "start":
+                peer = Peer(PeerConfig(**cmd["peer"]), AveragingConfig(**cmd["averaging"]))
+                answer = {"peer_id": peer.peer_id, "maddrs": peer.maddrs}
+            elif op == "probe":
+                answer = peer.probe(timeout=300)
+            elif op == "caps":
+                answer = peer.capabilities()
+            elif op == "reconfigure":
+                peer.reconfigure(**cmd["changes"])
+                answer = {}
+            elif op == "average":
+                x = vector(cmd["seed"], cmd["numel"])
+                t0 = time.perf_counter()
+                stats = peer.average(x, step=cmd["step"], weight=cmd["weight"], expected_peers=cmd["expected"],
+                                     timeout=cmd.get("timeout"), gather_time=cmd.get("gather_time"))
+                answer = {"seconds": time.perf_counter() - t0, "allreduce_s": stats["allreduce_s"],
+                          "shares": stats["shares"], "peers": stats["peers"], "group_size": stats["group_size"],
+                          "failovers": stats["failovers"], "checksum": float(x.double().sum()),
+                          "head": x[:4].tolist()}
+            elif op == "close":
+                if peer is not None:
+                    peer.close()
+                out.write(json.dumps({"ok": {}}) + "\n")
+                out.flush()
+                return
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            out.write(json.dumps({"ok": answer}) + "\n")
+        except Exception as e:
+            traceback.print_exc()
+            out.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()
