@@ -13,7 +13,7 @@ from hivemind.p2p import PeerID
 from dedloc.averaging.matchmaking import Matchmaker
 from dedloc.averaging.wire import Kind, read_header, write_frame
 from dedloc.config import AveragingConfig, PeerConfig
-from dedloc.errors import AveragingError, RuntimeClosedError
+from dedloc.errors import AveragingError, MatchmakingError, RuntimeClosedError
 from dedloc.net import rpc
 from dedloc.net.node import Node
 
@@ -50,7 +50,7 @@ def run_with_victim(peers, victim, ws, averaging_timeout):
         for i, f in enumerate(futs):
             try:
                 outcomes.append(f.result(timeout=averaging_timeout + 30))
-            except (AveragingError, RuntimeClosedError) as e:
+            except (AveragingError, MatchmakingError, RuntimeClosedError) as e:
                 outcomes.append(e)
     return xs, originals, outcomes, time.monotonic() - t0
 
@@ -87,7 +87,9 @@ def test_round_that_cannot_complete_fails_cleanly_and_keeps_tensors(make_peers):
     peers = make_peers(3, clients=(1, 2), averaging=AveragingConfig(matchmaking_time=3, averaging_timeout=timeout))
     xs, originals, outcomes, elapsed = run_with_victim(peers, 0, [1.0, 1.0, 1.0], timeout)
     for i in (1, 2):
-        assert isinstance(outcomes[i], AveragingError), outcomes[i]
+        # killed mid-round (AveragingError), or just before its answer to a join reached the
+        # client (MatchmakingError): either way a clear error, in time, with the tensor intact
+        assert isinstance(outcomes[i], (AveragingError, MatchmakingError)), outcomes[i]
         assert torch.equal(xs[i], originals[i]), "a failed round must leave the local tensor intact"
     assert elapsed < 2 * 3 + timeout + 10
 

@@ -67,9 +67,10 @@ def test_probes_measure_tbf_caps_and_the_plan_beats_ring(tmp_path):
         caps = peers[0].call(op="caps")["peers"]
         for pid, link in zip(ids, CAPS):
             up, down = caps[pid]["u"] * 8 / 1e6, caps[pid]["d"] * 8 / 1e6
-            # payload rate: tbf counts headers too, so a little under the cap, never above it
-            assert 0.75 * link.upload_mbit <= up <= 1.02 * link.upload_mbit, (pid, up, link)
-            assert 0.75 * link.download_mbit <= down <= 1.02 * link.download_mbit, (pid, down, link)
+            # payload rate: tbf counts headers too, so a little under the cap (a token-bucket burst
+            # can lift a short window slightly above it)
+            assert 0.7 * link.upload_mbit <= up <= 1.1 * link.upload_mbit, (pid, up, link)
+            assert 0.7 * link.download_mbit <= down <= 1.1 * link.download_mbit, (pid, down, link)
 
         weights = [1.0, 2.0, 3.0, 4.0]
         ref = sum(w * torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 + i))

@@ -1,4 +1,4 @@
-"""Pure unit tests: wire format, group maths, records, config validation."""
+"""Pure unit tests: wire format, group maths, records, estimates, config validation."""
 
 import asyncio
 import math
@@ -9,10 +9,13 @@ import torch
 from dedloc.averaging.accumulator import PartAccumulator
 from dedloc.averaging.group import Group, Member, split_into_subgroups
 from dedloc.averaging.ring import ring_order
-from dedloc.averaging.wire import (HEADER, Kind, pack_header, read_header, read_payload_into, unpack_header)
+from dedloc.averaging.wire import (HEADER, VERSION, Kind, pack_header, read_header, read_payload_into,
+                                   unpack_header)
 from dedloc.config import AveragingConfig, PeerConfig, from_dict
 from dedloc.errors import AveragingError, ConfigError, ProtocolError
-from dedloc.records import CollaborationView, ProgressRecord, Role
+from dedloc.planning.estimate import RateEstimate
+from dedloc.planning.probe import concurrent_rate
+from dedloc.records import CapabilityRecord, CollaborationView, ProgressRecord, Role
 
 RID = bytes(range(16))
 
@@ -34,12 +37,12 @@ def test_header_roundtrip_and_rejections():
     raw[4:6] = (99).to_bytes(2, "little")
     with pytest.raises(ProtocolError, match="version mismatch: ours is 2, theirs is 99"):
         unpack_header(bytes(raw))
-    bad_kind = HEADER.pack(b"DDLC", 1, 42, 1, RID, 0, 0.0, 0)
+    bad_kind = HEADER.pack(b"DDLC", VERSION, 42, 1, RID, 0, 0.0, 0)
     with pytest.raises(ProtocolError, match="unknown frame kind"):
         unpack_header(bad_kind)
     for w in (float("nan"), float("inf"), -1.0):
         with pytest.raises(ProtocolError, match="invalid weight"):
-            unpack_header(HEADER.pack(b"DDLC", 1, 1, 1, RID, 0, w, 0))
+            unpack_header(HEADER.pack(b"DDLC", VERSION, 1, 1, RID, 0, w, 0))
 
 
 def test_payload_size_and_dtype_checked_before_reading():
@@ -169,3 +172,50 @@ def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="unknown field"):
         from_dict(AveragingConfig, {"timeout": 3})
     assert from_dict(PeerConfig, {"initial_peers": ["/ip4/1.2.3.4/tcp/1"]}).initial_peers == ("/ip4/1.2.3.4/tcp/1",)
+    with pytest.raises(ConfigError, match="planner"):
+        AveragingConfig(planner="magic").validate()
+    with pytest.raises(ConfigError, match="upload_mbps"):
+        AveragingConfig(upload_mbps=0).validate()
+    with pytest.raises(ConfigError, match="probe_mb"):
+        AveragingConfig(probe_mb=1000).validate()
+    with pytest.raises(ConfigError, match="aggregator_only"):
+        AveragingConfig(aggregator_only=True, share=0).validate()
+
+
+def test_rate_estimate_takes_a_high_quantile_of_recent_lower_bounds():
+    est = RateEstimate(window=4)
+    assert est.value(now=0) == 0.0
+    for t, rate in enumerate([10e6, 2e6, 11e6, 9e6]):  # one slow far end among good measurements
+        est.observe(rate, 1.0, now=t)
+    assert est.value(now=4) == 11e6  # the 0.75 quantile of 4: the slow one does not count
+    est.observe(100, 1e-6, now=5)  # tiny transfers say nothing about bandwidth
+    assert est.value(now=5) == 11e6
+    for t in range(6, 10):  # a lasting drop shows once the window has seen it
+        est.observe(1e6, 1.0, now=t)
+    assert est.value(now=10) == 1e6
+    assert est.value(now=10 + est.max_age + 1) == 0.0  # old observations are forgotten
+    assert RateEstimate(override=5e6).value() == 5e6
+
+
+def test_capability_records_are_validated():
+    rec = CapabilityRecord("a", 1e6, 2e6, {"b": 3e5}, client=True, samples_per_second=7.0, time=1.0)
+    assert CapabilityRecord.from_wire("a", rec.to_wire()) == rec
+    good = rec.to_wire()
+    for bad in ({**good, "u": -1}, {**good, "d": float("inf")}, {**good, "p": {"b": float("nan")}},
+                {**good, "p": {f"p{i}": 1.0 for i in range(100)}}, {**good, "p": "junk"}, {"u": 1}, "junk", None):
+        assert CapabilityRecord.from_wire("x", bad) is None
+
+
+def test_concurrent_rate_counts_only_the_window_where_all_streams_ran():
+    fast = [(0.0, 0), (0.1, 1_000_000), (0.2, 2_000_000)]  # 10 MB/s, done at 0.2 s
+    slow = [(0.0, 0), (1.0, 1_000_000), (2.0, 2_000_000)]  # 1 MB/s, done at 2 s
+    assert concurrent_rate([fast, slow]) == pytest.approx(11e6)
+    assert concurrent_rate([[(0.0, 0), (0.01, 10)], slow]) is None  # overlap too short to say anything
+
+
+def test_aggregator_only_members_never_represent_a_subgroup():
+    ms = tuple(Member(f"p{i}", 0.0 if i % 2 else 1.0, 1.0, False, fetch=not i % 2) for i in range(6))
+    group = Group(bytes(16), 0, ms, split_into_subgroups(ms, 2))
+    for k in range(len(group.subgroups)):
+        assert group.members[group.representative(k)].fetch
+    assert Group.from_wire(group.to_wire()) == group

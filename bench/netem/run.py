@@ -99,6 +99,8 @@ def plan_peers(specs: list[Spec], ids: list[str]) -> list[lp.PlanPeer]:
 
 
 def run_config(name: str, specs: list[Spec], args, logdir: str) -> dict:
+    logdir = os.path.join(logdir, name)
+    os.makedirs(logdir, exist_ok=True)
     net = Network([Link(s.up, s.down) for s in specs])
     procs: list[PeerProc] = []
     try:
@@ -132,6 +134,7 @@ def run_config(name: str, specs: list[Spec], args, logdir: str) -> dict:
                         for i in trainers) / sum(gen_weights[i] for i in trainers)
         ref_sum = float(reference.double().sum())
         results: dict[str, list[float]] = {}
+        per_member: dict[str, list] = {}
         plan_info = None
         step = 0
         for strategy, changes in STRATEGIES.items():
@@ -152,6 +155,8 @@ def run_config(name: str, specs: list[Spec], args, logdir: str) -> dict:
                     raise RuntimeError(f"{name}/{strategy}: result differs from the weighted mean "
                                        f"({fetched[0]['checksum']} vs {ref_sum})")
                 times.append(max(a["allreduce_s"] for a in answers.values()))
+                per_member[strategy] = [round(answers[i]["allreduce_s"], 1) if i in answers else None
+                                        for i in range(len(specs))]
                 if strategy == "dedloc":
                     shares = dict(zip(fetched[0]["peers"], fetched[0]["shares"]))
                     plan_info = shares
@@ -184,6 +189,7 @@ def run_config(name: str, specs: list[Spec], args, logdir: str) -> dict:
             "caps_mbit": [[s.up, s.down] for s in specs],
             "measured_mbit": [[round(x, 1) for x in measured.get(pid, (0, 0))] for pid in sorted(ids, key=order.get)],
             "all_rounds_s": {k: [round(t, 2) for t in v] for k, v in results.items()},
+            "last_round_member_s": per_member,
         }
     finally:
         for p in procs:

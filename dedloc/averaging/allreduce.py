@@ -31,8 +31,10 @@ from dedloc.averaging.group import Group
 from dedloc.averaging.wire import (Header, Kind, ProtocolError, read_error_text, read_header, read_payload_into,
                                    write_error, write_frame)
 from dedloc.errors import AveragingError
+from dedloc.net.rpc import wait_peer_closed
 
 logger = logging.getLogger(__name__)
+ACK_GRACE = 10.0
 
 OpenStream = Callable[[str], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
@@ -201,6 +203,7 @@ class PartitionedRound:
                     self._have[j].set_result(True)
                     if self.group.backup(j) == self.me:
                         await write_frame(writer, Kind.ACK, self.group.round_id, j)
+                        await wait_peer_closed(reader, ACK_GRACE)  # we wrote last: let the ACK arrive
                     return
                 finally:
                     writer.close()
@@ -288,23 +291,25 @@ class PartitionedRound:
                           self._to_wire(self.output[s:e]), self.chunk_bytes)
 
     async def handle(self, peer_id: str, header: Header, reader: asyncio.StreamReader,
-                     writer: asyncio.StreamWriter) -> None:
-        """Serve one incoming stream of this round (its first header already read)."""
+                     writer: asyncio.StreamWriter) -> bool:
+        """Serve one incoming stream of this round (its first header already read).
+
+        Returns True when this side wrote last (the caller then waits for the peer to close first)."""
         k = self.group.index(peer_id)
         if k is None:
             logger.warning(f"{self._prefix()}: peer {peer_id} is not a member of this round; refused")
             await write_error(writer, self.group.round_id, "not a member of this round")
-            return
+            return True
         if header.kind == Kind.CONTRIB and self.me in self.aggregators:
-            await self._serve_contribution(k, header, reader, writer)
-        elif header.kind == Kind.FAILOVER and self.group.backup(header.part) == self.me:
-            await self._serve_failover(k, header, reader, writer)
-        else:
-            logger.warning(f"{self._prefix()}: unexpected {header.kind.name} for part {header.part} from {peer_id}")
-            await write_error(writer, self.group.round_id, f"unexpected {header.kind.name} for part {header.part}")
+            return await self._serve_contribution(k, header, reader, writer)
+        if header.kind == Kind.FAILOVER and self.group.backup(header.part) == self.me:
+            return await self._serve_failover(k, header, reader, writer)
+        logger.warning(f"{self._prefix()}: unexpected {header.kind.name} for part {header.part} from {peer_id}")
+        await write_error(writer, self.group.round_id, f"unexpected {header.kind.name} for part {header.part}")
+        return True
 
     async def _serve_contribution(self, k: int, header: Header, reader: asyncio.StreamReader,
-                                  writer: asyncio.StreamWriter) -> None:
+                                  writer: asyncio.StreamWriter) -> bool:
         is_backup = self.group.backup(self.me) == k
         if is_backup:
             self._backup_connected = True
@@ -313,15 +318,15 @@ class PartitionedRound:
         except ConnectionError:
             if is_backup and not self._backup_ok.done():
                 self._backup_ok.set_result(True)  # a backup that left holds no copy and serves no failover
-            return
+            return False
         try:
             async with asyncio.timeout_at(self.result_deadline):
                 await self._own_ready.wait()
                 await self._phase_one_done()
                 if self._own_error:
                     await write_error(writer, self.group.round_id, self._own_error)
-                    return
-                if is_backup:
+                    return True
+                if is_backup:  # the backup writes last here (its ACK)
                     try:
                         await self._send_result(writer, self.me, self.acc.total_weight)
                         acked = (await read_header(reader)).kind == Kind.ACK
@@ -329,15 +334,17 @@ class PartitionedRound:
                         acked = True  # the backup is gone: it cannot serve a stale failover
                     if not self._backup_ok.done():
                         self._backup_ok.set_result(acked)
-                    return
+                    return False
                 if not await asyncio.shield(self._backup_ok):
                     await write_error(writer, self.group.round_id, "backup did not confirm the result; fail over")
-                    return
+                    return True
                 await self._send_result(writer, self.me, self.acc.total_weight)
+                return True
         except Exception as e:
             if is_backup and not self._backup_ok.done():
                 self._backup_ok.set_result(False)
             logger.debug(f"{self._prefix()}: could not deliver part {self.me} to {self._name(k)}: {e!r}")
+            return False
 
     # ---- backup side -------------------------------------------------------------------------
     def _failover_state(self, j: int) -> _Failover:
@@ -368,18 +375,19 @@ class PartitionedRound:
             state.ready.set()
 
     async def _serve_failover(self, k: int, header: Header, reader: asyncio.StreamReader,
-                              writer: asyncio.StreamWriter) -> None:
+                              writer: asyncio.StreamWriter) -> bool:
         j = header.part
         state = self._failover_state(j)
         try:
             await self._receive(k, header, reader, j, state.acc)
         except ConnectionError:
-            return
+            return False
         await state.ready.wait()
         if state.error:
             await write_error(writer, self.group.round_id, state.error)
         else:
             await self._send_result(writer, j, self.stats.part_weights.get(j, 0.0))
+        return True
 
     def close(self) -> None:
         for t in self._failover_tasks:

@@ -27,6 +27,7 @@ from dedloc.averaging.wire import Header, Kind, read_header, read_payload_into, 
 from dedloc.config import AveragingConfig
 from dedloc.errors import AveragingError, ProtocolError
 from dedloc.net.node import Node
+from dedloc.net.rpc import wait_peer_closed
 
 logger = logging.getLogger(__name__)
 ROUND_GRACE = 30.0
@@ -34,7 +35,8 @@ ROUND_GRACE = 30.0
 
 class _Round(Protocol):
     async def handle(self, peer_id: str, header: Header, reader: asyncio.StreamReader,
-                     writer: asyncio.StreamWriter) -> None: ...
+                     writer: asyncio.StreamWriter) -> bool:
+        """Serve one stream; True if this side wrote last (the peer must close first)."""
 
 
 class _Broadcast:
@@ -45,16 +47,17 @@ class _Broadcast:
         self.result: asyncio.Future = asyncio.get_running_loop().create_future()
         self.chunk_bytes = 4 << 20
 
-    async def handle(self, peer_id: str, header: Header, reader, writer) -> None:
+    async def handle(self, peer_id: str, header: Header, reader, writer) -> bool:
         if peer_id not in self.members or header.kind != Kind.FETCH:
             await write_error(writer, header.round_id, "not a member of this subgroup")
-            return
+            return True
         try:
             result, weight = await asyncio.shield(self.result)
         except Exception as e:
             await write_error(writer, header.round_id, f"top-level reduce failed: {e}")
-            return
+            return True
         await write_frame(writer, Kind.RESULT, header.round_id, 0, weight, result, self.chunk_bytes)
+        return True
 
 
 class Averager:
@@ -97,18 +100,21 @@ class Averager:
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = info.peer_id.to_base58()
+        wrote_last = False
         try:
             header = await asyncio.wait_for(read_header(reader), 30)
             rnd = await self._lookup(header.round_id, 2 * self.config.matchmaking_time)
             if rnd is None:
                 logger.warning(f"peer {peer} sent a {header.kind.name} for an unknown round; refused")
                 await write_error(writer, header.round_id, "unknown round (missed or expired)")
+                wrote_last = True
                 return
-            await rnd.handle(peer, header, reader, writer)
+            wrote_last = await rnd.handle(peer, header, reader, writer)
         except ProtocolError as e:
             logger.warning(f"rejected stream from peer {peer}: {e}")
             try:
                 await write_error(writer, bytes(16), str(e))
+                wrote_last = True
             except Exception:
                 pass
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
@@ -116,6 +122,8 @@ class Averager:
         except Exception:
             logger.exception(f"failed to serve a stream from {peer}")
         finally:
+            if wrote_last:  # closing first could make the daemon drop the tail of what we wrote
+                await wait_peer_closed(reader, self.config.averaging_timeout)
             writer.close()
 
     async def _open(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -20,6 +20,7 @@ import torch
 from dedloc.averaging.allreduce import OpenStream
 from dedloc.averaging.group import Group
 from dedloc.averaging.wire import Header, Kind, read_header, read_payload_into, write_frame
+from dedloc.net.rpc import wait_peer_closed
 from dedloc.errors import AveragingError, ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -60,24 +61,28 @@ class RingRound:
         self.deadline = asyncio.get_running_loop().time() + timeout
         loop = asyncio.get_running_loop()
         self._in: asyncio.Future = loop.create_future()  # (reader, first header or None)
-        self._out: asyncio.Future = loop.create_future()  # writer towards the successor
+        self._out: asyncio.Future = loop.create_future()  # (reader, writer) towards the successor
         self._done = asyncio.Event()  # set when this member's result is final
+        self._received = asyncio.Event()  # set when everything from the predecessor has arrived
 
     def _peer(self, i: int) -> str:
         return self.group.members[i].peer_id
 
     async def handle(self, peer_id: str, header: Header, reader: asyncio.StreamReader,
-                     writer: asyncio.StreamWriter) -> None:
+                     writer: asyncio.StreamWriter) -> bool:
         k = self.group.index(peer_id)
         if header.kind != Kind.RING:
             raise ProtocolError(f"unexpected {header.kind.name} in a ring round")
         if k == self.succ and header.part == HELLO and not self._out.done():
-            self._out.set_result(writer)
+            self._out.set_result((reader, writer))
+            until = self._done  # our sending side: run() waits for the successor to close it
         elif k == self.pred and header.part != HELLO and not self._in.done():
             self._in.set_result((reader, header))
+            until = self._received  # our receiving side: closed as soon as everything arrived
         else:
             raise ProtocolError(f"peer {peer_id} is not an expected ring neighbour")
-        await asyncio.wait_for(self._done.wait(), max(0.0, self.deadline - asyncio.get_running_loop().time()))
+        await asyncio.wait_for(until.wait(), max(0.0, self.deadline - asyncio.get_running_loop().time()))
+        return False
 
     async def run(self) -> torch.Tensor:
         try:
@@ -88,6 +93,7 @@ class RingRound:
         except (ConnectionError, asyncio.IncompleteReadError, ProtocolError) as e:
             raise AveragingError(f"step {self.group.step}: ring all-reduce failed: {type(e).__name__}: {e}") from None
         finally:
+            self._received.set()
             self._done.set()
 
     async def _run(self) -> torch.Tensor:
@@ -95,13 +101,14 @@ class RingRound:
         own: list[asyncio.StreamWriter] = []
         try:
             if not self.group.members[self.succ].client:
-                _, w = await self.open_stream(self._peer(self.succ))
+                r, w = await self.open_stream(self._peer(self.succ))
                 own.append(w)
-                self._out.set_result(w)
+                self._out.set_result((r, w))
+            own_in = None
             if self.group.members[self.order[self.pos]].client:
-                _, w = await self._open_in()
-                own.append(w)
-            out = await self._out
+                _, own_in = await self._open_in()
+                own.append(own_in)
+            out_reader, out = await self._out
             pending_header = None
             reader = None
             for t in range(2 * (n - 1)):
@@ -124,6 +131,12 @@ class RingRound:
                 else:
                     self.buf[s2:e2] = tmp
                 await send
+            # everything arrived: close our receiving side now, then let the successor close our
+            # sending side once it has read all we wrote (closing it first could drop the tail)
+            self._received.set()
+            if own_in is not None:
+                own_in.close()
+            await wait_peer_closed(out_reader, self.deadline - asyncio.get_running_loop().time())
             total = float(self.buf[-1])
             if not total > 0:
                 raise AveragingError(f"step {self.group.step}: total weight is {total}")

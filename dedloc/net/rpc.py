@@ -41,6 +41,23 @@ async def read_message(reader: asyncio.StreamReader) -> Any:
         raise ProtocolError(f"malformed message: {type(e).__name__}: {e}") from None
 
 
+async def wait_peer_closed(reader: asyncio.StreamReader, timeout: float) -> bool:
+    """Wait (bounded) until the peer closes its side of the stream; discard anything it still sends.
+
+    Whoever writes last on a stream must call this before closing: if we close first, the p2p
+    daemon may reset the stream and drop the tail of what we wrote that is still in flight.
+    The reading side closes as soon as it has read everything, so this returns once our data
+    has arrived. Returns False on timeout or error (the caller closes anyway).
+    """
+    try:
+        async with asyncio.timeout(max(0.0, timeout)):
+            while await reader.read(1 << 16):
+                pass
+        return True
+    except (TimeoutError, ConnectionError, OSError):
+        return False
+
+
 async def call(p2p: P2P, peer_id: PeerID, name: str, request: Any, timeout: float) -> Any:
     """Send one request and wait for one response; raises TimeoutError, ConnectionError or ProtocolError."""
 
@@ -66,6 +83,7 @@ async def serve(p2p: P2P, name: str, handler: Handler) -> None:
             request = await asyncio.wait_for(read_message(reader), 10.0)
             response = await handler(info.peer_id, request)
             await write_message(writer, response)
+            await wait_peer_closed(reader, 10.0)
         except ProtocolError as e:
             logger.warning(f"rejected {name} request from {info.peer_id}: {e}")
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):

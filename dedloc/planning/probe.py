@@ -89,7 +89,7 @@ def concurrent_rate(traces: list[list[tuple[float, int]]]) -> float | None:
     if not traces:
         return None
     start, end = max(t[0][0] for t in traces), min(t[-1][0] for t in traces)
-    if end - start < 0.05:
+    if end - start < 0.1:  # shorter windows are dominated by bursts (tbf buckets, socket buffers)
         return None
     return sum(_bytes_at(t, end) - _bytes_at(t, start) for t in traces) / (end - start)
 
@@ -115,6 +115,7 @@ class ProbeServer:
                 raise ProtocolError(f"malformed probe request (protocol {VERSION}, at most {MAX_PROBE_BYTES} bytes)")
             if self._served.locked():
                 await rpc.write_message(writer, {"busy": True})
+                await rpc.wait_peer_closed(reader, 10)
                 return
             async with self._served:
                 await rpc.write_message(writer, {"ok": True})
@@ -123,7 +124,7 @@ class ProbeServer:
                         await rpc.write_message(writer, {"s": await _receive(reader, req["n"])})
                     else:
                         await _send(writer, req["n"])
-                        await reader.read(1)  # the prober closes once it has everything
+                    await rpc.wait_peer_closed(reader, 60)  # we wrote last: the prober closes first
         except ProtocolError as e:
             logger.warning(f"refused a probe from {peer}: {e}")
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:

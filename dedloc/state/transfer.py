@@ -26,6 +26,7 @@ from dedloc.net import rpc
 from dedloc.net.node import Node
 
 logger = logging.getLogger(__name__)
+UPLOAD_GRACE = 300.0
 CHUNK = 4 << 20
 MAX_STATE_BYTES = 64 << 30
 FRESH_WAIT = 30.0
@@ -82,17 +83,20 @@ class StateServer:
                 raise ProtocolError(f"malformed state request (protocol {VERSION} expected)")
             if self._uploads.locked():
                 await rpc.write_message(writer, {"busy": True})
+                await rpc.wait_peer_closed(reader, 10)
                 return
             async with self._uploads:
                 state = await self._fresh(request["min_step"])
                 if state is None:
                     await rpc.write_message(writer, {"error": f"no state at step >= {request['min_step']}"})
+                    await rpc.wait_peer_closed(reader, 10)
                     return
                 await rpc.write_message(writer, {"step": state.step, "size": len(state.blob)})
                 view = memoryview(state.blob)
                 for i in range(0, len(view), CHUNK):
                     writer.write(view[i:i + CHUNK])
                     await writer.drain()
+                await rpc.wait_peer_closed(reader, UPLOAD_GRACE)  # the newcomer closes once it has it all
                 logger.info(f"sent the state of step {state.step} ({len(state.blob) / 1e6:.1f} MB) to {peer}")
         except ProtocolError as e:
             logger.warning(f"refused a state request from {peer}: {e}")
