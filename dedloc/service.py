@@ -22,6 +22,7 @@ from dedloc.records import ProgressRecord
 from dedloc.state.transfer import StateServer
 
 logger = logging.getLogger(__name__)
+DRAIN_TIMEOUT = 10.0
 
 
 class PeerService:
@@ -131,6 +132,7 @@ class PeerService:
         return await self.averager.matchmaker.closed_round(step)
 
     async def shutdown(self) -> None:
+        await self.averager.drain(DRAIN_TIMEOUT)  # finish serving parts others still read from us
         await self.planner.close()
         for buf in self.buffers.values():
             buf.close()

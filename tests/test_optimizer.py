@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
-from dedloc.errors import ProtocolError, RuntimeClosedError
+from dedloc.errors import RuntimeClosedError, StateError
 from dedloc.optim import CollaborativeOptimizer, StepOutcome
 from dedloc.peer import Peer
 from dedloc.records import ProgressRecord, Role
@@ -264,8 +264,9 @@ def test_a_garbage_state_from_a_donor_is_refused_clearly():
         model = make_model()
         before = flat(model)
         opt, _ = make_opt(model)
-        with pytest.raises(ProtocolError, match="not a dedloc training state"):
-            CollaborativeOptimizer(opt, newcomer, OptimizerConfig(target_batch_size=64), model=model)
+        # the only donor's state is refused; the newcomer retries others until state_timeout
+        with pytest.raises(StateError, match="not a dedloc training state"):
+            CollaborativeOptimizer(opt, newcomer, OptimizerConfig(target_batch_size=64, state_timeout=5), model=model)
         assert torch.equal(flat(model), before), "a refused state changed the model"
     finally:
         donor.close()

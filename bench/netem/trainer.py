@@ -32,15 +32,15 @@ def main() -> None:
     out.write(json.dumps({"maddrs": peer.maddrs, "peer_id": peer.peer_id}) + "\n")
     out.flush()
     try:
+        join, leave, steps = spec.get("join_step", 0), spec.get("leave_step"), spec["steps"]
+        deadline = time.monotonic() + spec["time_limit"]
+        while join and peer.collaboration().global_step < join and time.monotonic() < deadline:
+            time.sleep(0.2)  # a part-time peer: not part of the collaboration yet
         net = model(spec["hidden"])
         opt = CollaborativeOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), peer,
                                      OptimizerConfig(**spec["optimizer"]), model=net)
         gen = torch.Generator().manual_seed(spec["index"])
         w_true = torch.randn(DIM, 1, generator=torch.Generator().manual_seed(7))
-        join, leave, steps = spec.get("join_step", 0), spec.get("leave_step"), spec["steps"]
-        deadline = time.monotonic() + spec["time_limit"]
-        while join and peer.collaboration().global_step < join and time.monotonic() < deadline:
-            time.sleep(0.2)
         samples, started, step_times = 0, time.time(), []
         micro, sps = spec["micro"], spec["samples_per_second"]
         while opt.global_step < steps and time.monotonic() < deadline:

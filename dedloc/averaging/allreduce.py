@@ -99,6 +99,9 @@ class PartitionedRound:
         fetch = group.members[me].fetch
         self._exchanges = [j for j in self.aggregators if j != me and (fetch or group.backup(j) == me)]
         self._unsent = set(self._exchanges)
+        self.undelivered = {k for k, m in enumerate(group.members) if m.fetch and k != me} \
+            if me in self.aggregators else set()
+        """Members that have not yet received this member's part (a leaving peer waits for them)."""
         self._sent_all = asyncio.Event()
         if not self._unsent:
             self._sent_all.set()
@@ -329,6 +332,7 @@ class PartitionedRound:
                 if is_backup:  # the backup writes last here (its ACK)
                     try:
                         await self._send_result(writer, self.me, self.acc.total_weight)
+                        self.undelivered.discard(k)
                         acked = (await read_header(reader)).kind == Kind.ACK
                     except (ConnectionError, asyncio.IncompleteReadError):
                         acked = True  # the backup is gone: it cannot serve a stale failover
@@ -339,6 +343,7 @@ class PartitionedRound:
                     await write_error(writer, self.group.round_id, "backup did not confirm the result; fail over")
                     return True
                 await self._send_result(writer, self.me, self.acc.total_weight)
+                self.undelivered.discard(k)
                 return True
         except Exception as e:
             if is_backup and not self._backup_ok.done():

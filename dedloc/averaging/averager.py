@@ -77,6 +77,7 @@ class Averager:
         self.proto = f"dedloc.{node.config.run_id}.allreduce"
         self._rounds: dict[bytes, _Round] = {}
         self._arrivals: dict[bytes, asyncio.Event] = {}
+        self._serving = 0
 
     async def start(self) -> None:
         await self.matchmaker.start()
@@ -98,7 +99,32 @@ class Averager:
                 self._arrivals.pop(round_id, None)
         return self._rounds.get(round_id)
 
+    async def drain(self, timeout: float) -> bool:
+        """Wait (bounded) until no stream is being served and every round this peer aggregated has
+        delivered its part to every member: a peer leaving right after its step still serves
+        slower members. True if that happened in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+
+        def busy() -> bool:
+            now = loop.time()  # past a round's result deadline, members fetch from the backup instead
+            return self._serving > 0 or any(getattr(r, "undelivered", None) and now < r.result_deadline
+                                            for r in self._rounds.values())
+
+        while busy() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if busy():
+            logger.info(f"left while {self._serving} stream(s) were still being served (gave up after {timeout:.0f} s)")
+        return not busy()
+
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._serving += 1
+        try:
+            await self._serve_stream(info, reader, writer)
+        finally:
+            self._serving -= 1
+
+    async def _serve_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = info.peer_id.to_base58()
         wrote_last = False
         try:

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from dedloc.config import OptimizerConfig
-from dedloc.errors import AveragingError, MatchmakingError, RuntimeClosedError, StateError
+from dedloc.errors import AveragingError, MatchmakingError, ProtocolError, RuntimeClosedError, StateError
 from dedloc.optim.accumulator import GradientAccumulator
 from dedloc.optim.scaling import CollaborativeScale
 from dedloc.peer import Peer
@@ -285,11 +285,32 @@ class CollaborativeOptimizer:
         self.acc.reset()
         self._zero_grads()
         target = view.global_step
-        donors = self._donors(view, target)
         logger.info(f"out of sync ({reason}): downloading the state of step >= {target}")
         t0 = time.monotonic()
-        step, blob, donor = self.peer.download_state(donors, target, self.config.state_timeout)
-        self.load_state_dict(snapshot.decode(blob))
+        deadline = t0 + self.config.state_timeout
+        refused: set[str] = set()  # donors whose state did not decode
+        reasons: list[str] = []
+        pause = 0.5
+        while True:
+            donors = [d for d in self._donors(view, target) if d not in refused]
+            try:
+                step, blob, donor = self.peer.download_state(donors, target, max(1.0, deadline - time.monotonic()))
+                self.load_state_dict(snapshot.decode(blob))
+                break
+            except ProtocolError as e:
+                refused.add(donor)
+                why = f"the state from {donor} was refused: {e}"
+                logger.warning(f"{why}; trying another donor")
+                reasons.append(why)
+                error: Exception = e
+            except StateError as e:  # every donor busy or behind: transient while others download too
+                error = e
+            if time.monotonic() + pause >= deadline:
+                raise StateError(f"could not resync within {self.config.state_timeout:.0f} s: {error}"
+                                 + "".join(f"; {r}" for r in reasons)) from None
+            time.sleep(pause)
+            pause = min(5.0, 2 * pause)
+            view = self.peer.collaboration()
         self.resyncs += 1
         logger.info(f"state of step {step} downloaded from {donor} ({len(blob) / 1e6:.1f} MB, "
                     f"{time.monotonic() - t0:.2f} s)")
