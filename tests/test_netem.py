@@ -4,17 +4,14 @@ planner's round beats a ring on them while giving the exact weighted mean.
 Skipped (with the reason) where network namespaces are unavailable; CI runs as root.
 """
 
-import json
-import os
 import subprocess
-import sys
-import threading
 
 import pytest
 import torch
 
 from dedloc.planning import lp
 from dedloc.testing.netem import Link, Network, available
+from dedloc.testing.peer_driver import DrivenPeer
 
 ok, why = available()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
@@ -23,43 +20,17 @@ CAPS = [Link(100, 100), Link(100, 100), Link(16, 80), Link(16, 80)]
 NUMEL = 2_000_000
 
 
-class Driven:
-    def __init__(self, net, i, logdir):
-        self.i = i
-        self.log = open(os.path.join(logdir, f"peer{i}.log"), "w")
-        self.proc = subprocess.Popen(net.exec_args(i) + [sys.executable, "-m", "dedloc.testing.peer_driver"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
-
-    def send(self, **cmd):
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def receive(self, timeout=120):
-        box = []
-        t = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(timeout)
-        assert box and box[0], f"peer {self.i} did not answer (log: {self.log.name})"
-        answer = json.loads(box[0])
-        assert "error" not in answer, f"peer {self.i}: {answer['error']}"
-        return answer["ok"]
-
-    def call(self, timeout=120, **cmd):
-        self.send(**cmd)
-        return self.receive(timeout)
-
-
 @pytest.mark.timeout(300)
 def test_probes_measure_tbf_caps_and_the_plan_beats_ring(tmp_path):
     net = Network(CAPS)
     peers = []
     try:
-        peers = [Driven(net, i, tmp_path) for i in range(len(CAPS))]
+        peers = [DrivenPeer(net.exec_args(i), i, str(tmp_path)) for i in range(len(CAPS))]
         averaging = dict(matchmaking_time=3, averaging_timeout=60, probe_interval=0, probe_mb=1, replan_interval=600)
         first = peers[0].call(op="start", peer=dict(run_id="netemtest", host_maddrs=[f"/ip4/{net.ip(0)}/tcp/0"]),
                               averaging=averaging)
         ids = [first["peer_id"]] + [p.call(op="start", averaging=averaging, peer=dict(
-            run_id="netemtest", host_maddrs=[f"/ip4/{net.ip(p.i)}/tcp/0"], initial_peers=first["maddrs"]))["peer_id"]
+            run_id="netemtest", host_maddrs=[f"/ip4/{net.ip(p.index)}/tcp/0"], initial_peers=first["maddrs"]))["peer_id"]
             for p in peers[1:]]
         for _ in range(2):  # the second pass probes the best-connected peers found by the first
             for p in peers:
@@ -80,7 +51,7 @@ def test_probes_measure_tbf_caps_and_the_plan_beats_ring(tmp_path):
             for p in peers:
                 p.call(op="reconfigure", changes=dict(strategy=strategy, planner=planner))
             for p in peers:
-                p.send(op="average", seed=1000 + p.i, numel=NUMEL, step=step, weight=weights[p.i], expected=4)
+                p.send(op="average", seed=1000 + p.index, numel=NUMEL, step=step, weight=weights[p.index], expected=4)
             answers = [p.receive(180) for p in peers]
             assert len({(tuple(a["head"]), a["checksum"]) for a in answers}) == 1, "members disagree"
             assert answers[0]["checksum"] == pytest.approx(float(ref.double().sum()), abs=1e-2)
@@ -96,10 +67,6 @@ def test_probes_measure_tbf_caps_and_the_plan_beats_ring(tmp_path):
         print(f"ring {times['ring']:.2f} s, planned {times['partitioned']:.2f} s on {CAPS}")
     finally:
         for p in peers:
-            try:
-                p.send(op="close")
-                p.proc.wait(20)
-            except Exception:
-                pass
+            p.close()
         net.close()
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(net.prefix) == 0

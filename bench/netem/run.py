@@ -22,17 +22,15 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from dataclasses import dataclass
 
 import torch
 
 from dedloc.planning import lp
 from dedloc.testing.netem import Link, Network, available
+from dedloc.testing.peer_driver import DrivenPeer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MBIT = 1e6 / 8
@@ -65,34 +63,6 @@ STRATEGIES = {"ring": dict(strategy="ring", planner="equal"),
               "dedloc": dict(strategy="partitioned", planner="lp")}
 
 
-class PeerProc:
-    def __init__(self, net: Network, i: int, logdir: str):
-        self.i = i
-        self.log = open(os.path.join(logdir, f"peer{i}.log"), "w")
-        self.proc = subprocess.Popen(net.exec_args(i) + [sys.executable, "-m", "dedloc.testing.peer_driver"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
-
-    def send(self, **cmd) -> None:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def receive(self, timeout: float):
-        box: list = []
-        reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout)
-        if not box or not box[0]:
-            raise RuntimeError(f"peer {self.i} gave no answer within {timeout:.0f} s (see {self.log.name})")
-        answer = json.loads(box[0])
-        if "error" in answer:
-            raise RuntimeError(f"peer {self.i}: {answer['error']} (see {self.log.name})")
-        return answer["ok"]
-
-    def call(self, timeout: float = 300, **cmd):
-        self.send(**cmd)
-        return self.receive(timeout)
-
-
 def plan_peers(specs: list[Spec], ids: list[str]) -> list[lp.PlanPeer]:
     return [lp.PlanPeer(pid, s.up * MBIT, s.down * MBIT, sends=not s.aggregator_only, receives=not s.aggregator_only,
                         can_aggregate=not s.client) for pid, s in zip(ids, specs)]
@@ -102,9 +72,9 @@ def run_config(name: str, specs: list[Spec], args, logdir: str) -> dict:
     logdir = os.path.join(logdir, name)
     os.makedirs(logdir, exist_ok=True)
     net = Network([Link(s.up, s.down) for s in specs])
-    procs: list[PeerProc] = []
+    procs: list[DrivenPeer] = []
     try:
-        procs = [PeerProc(net, i, logdir) for i in range(len(specs))]
+        procs = [DrivenPeer(net.exec_args(i), i, logdir) for i in range(len(specs))]
         averaging = dict(matchmaking_time=5.0, averaging_timeout=args.timeout, probe_interval=0,
                          probe_mb=args.probe_mb, replan_interval=3600)
 
@@ -193,19 +163,8 @@ def run_config(name: str, specs: list[Spec], args, logdir: str) -> dict:
         }
     finally:
         for p in procs:
-            try:
-                p.send(op="close")
-            except Exception:
-                pass
-        deadline = time.monotonic() + 20
-        for p in procs:
-            try:
-                p.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+            p.close()
         net.close()  # kills anything left in the namespaces, then removes them
-        for p in procs:
-            p.log.close()
 
 
 def main() -> None:

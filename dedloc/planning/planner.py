@@ -29,6 +29,7 @@ from dedloc.records import CapabilityRecord
 
 logger = logging.getLogger(__name__)
 PUBLISH_INTERVAL = 30.0
+FIRST_PROBE = 30.0
 MIN_REFRESH = 10.0
 MBIT = 1e6 / 8
 PAIR_LIMIT = 0.25
@@ -121,7 +122,8 @@ class Planner:
             await asyncio.sleep(PUBLISH_INTERVAL)
 
     async def _probe_loop(self) -> None:
-        await asyncio.sleep(random.uniform(1.0, 5.0))
+        # not at start-up, when the first rounds form: until then, unknown peers plan as equals
+        await asyncio.sleep(random.uniform(FIRST_PROBE / 2, FIRST_PROBE))
         while True:
             try:
                 await self.probe_now()

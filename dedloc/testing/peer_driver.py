@@ -5,7 +5,10 @@ Commands: start, probe, average, caps, reconfigure, close. Each answers one JSON
 """
 
 import json
+import os
+import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -59,6 +62,46 @@ def main() -> None:
             traceback.print_exc()
             out.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
         out.flush()
+
+
+class DrivenPeer:
+    """The other end: starts ``python -m dedloc.testing.peer_driver`` (inside a namespace when
+    ``prefix`` is ``Network.exec_args(i)``) and exchanges one JSON line per command with it."""
+
+    def __init__(self, prefix: list[str], index: int, logdir: str):
+        self.index = index
+        self.log = open(os.path.join(logdir, f"peer{index}.log"), "w")
+        self.proc = subprocess.Popen(prefix + [sys.executable, "-m", "dedloc.testing.peer_driver"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+
+    def send(self, **cmd) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def receive(self, timeout: float = 120.0):
+        """The answer's value; RuntimeError naming the peer on an error answer or no answer in time."""
+        box: list = []
+        reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not box or not box[0]:
+            raise RuntimeError(f"peer {self.index} gave no answer within {timeout:.0f} s (see {self.log.name})")
+        answer = json.loads(box[0])
+        if "error" in answer:
+            raise RuntimeError(f"peer {self.index}: {answer['error']} (see {self.log.name})")
+        return answer["ok"]
+
+    def call(self, timeout: float = 120.0, **cmd):
+        self.send(**cmd)
+        return self.receive(timeout)
+
+    def close(self, timeout: float = 20.0) -> None:
+        try:
+            self.send(op="close")
+            self.proc.wait(timeout)
+        except Exception:
+            pass
+        self.log.close()
 
 
 if __name__ == "__main__":
