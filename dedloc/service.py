@@ -39,12 +39,7 @@ class PeerService:
         node = await Node.create(peer_config)
         planner = Planner(node, averaging_config)
         try:
-            bytes_per_element = 2 if averaging_config.compression == "float16" else 4
-
-            async def policy(members, numel):
-                return await planner.shares(members, numel, bytes_per_element)
-
-            averager = Averager(node, averaging_config, policy, planner.observe_round)
+            averager = Averager(node, averaging_config, planner.shares, planner.observe_round)
             await averager.start()
             states = StateServer(node)
             await states.start()

@@ -58,6 +58,13 @@ async def wait_peer_closed(reader: asyncio.StreamReader, timeout: float) -> bool
         return False
 
 
+async def reply_last(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, obj: Any,
+                     timeout: float = 10.0) -> None:
+    """Write a final message, then wait (bounded) for the peer to close (see ``wait_peer_closed``)."""
+    await write_message(writer, obj)
+    await wait_peer_closed(reader, timeout)
+
+
 async def call(p2p: P2P, peer_id: PeerID, name: str, request: Any, timeout: float) -> Any:
     """Send one request and wait for one response; raises TimeoutError, ConnectionError or ProtocolError."""
 
@@ -82,8 +89,7 @@ async def serve(p2p: P2P, name: str, handler: Handler) -> None:
         try:
             request = await asyncio.wait_for(read_message(reader), 10.0)
             response = await handler(info.peer_id, request)
-            await write_message(writer, response)
-            await wait_peer_closed(reader, 10.0)
+            await reply_last(reader, writer, response)
         except ProtocolError as e:
             logger.warning(f"rejected {name} request from {info.peer_id}: {e}")
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):

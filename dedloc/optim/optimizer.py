@@ -295,9 +295,8 @@ class CollaborativeOptimizer:
             donors = [d for d in self._donors(view, target) if d not in refused]
             try:
                 step, blob, donor = self.peer.download_state(donors, target, max(1.0, deadline - time.monotonic()))
-                self.load_state_dict(snapshot.decode(blob))
-                break
-            except ProtocolError as e:
+                state = snapshot.decode(blob)
+            except ProtocolError as e:  # this donor's bytes are not a state: try the others
                 refused.add(donor)
                 why = f"the state from {donor} was refused: {e}"
                 logger.warning(f"{why}; trying another donor")
@@ -305,6 +304,9 @@ class CollaborativeOptimizer:
                 error: Exception = e
             except StateError as e:  # every donor busy or behind: transient while others download too
                 error = e
+            else:
+                self.load_state_dict(state)  # a state that does not fit the model raises at once
+                break
             if time.monotonic() + pause >= deadline:
                 raise StateError(f"could not resync within {self.config.state_timeout:.0f} s: {error}"
                                  + "".join(f"; {r}" for r in reasons)) from None

@@ -171,9 +171,12 @@ class Planner:
                     pairs[(i, j)] = rate
         return peers, pairs
 
-    async def shares(self, members: tuple[Member, ...], numel: int, bytes_per_element: int = 4) -> tuple[float, ...]:
-        """The shares for one round among ``members``; equal shares (with a logged reason) on any failure."""
+    async def shares(self, members: tuple[Member, ...], numel: int) -> tuple[float, ...]:
+        """The shares for one round among ``members``; equal shares (with a logged reason) on any failure.
+
+        The vector's size on the wire follows the current compression setting (it may change at run time)."""
         mode = self.config.planner
+        bytes_per_element = 2 if self.config.compression == "float16" else 4
         if mode == "declared":
             return tuple(m.share for m in members)
         peers: list[lp.PlanPeer] = []

@@ -114,8 +114,7 @@ class ProbeServer:
                     or not isinstance(req.get("n"), int) or not 0 < req["n"] <= MAX_PROBE_BYTES:
                 raise ProtocolError(f"malformed probe request (protocol {VERSION}, at most {MAX_PROBE_BYTES} bytes)")
             if self._served.locked():
-                await rpc.write_message(writer, {"busy": True})
-                await rpc.wait_peer_closed(reader, 10)
+                await rpc.reply_last(reader, writer, {"busy": True})
                 return
             async with self._served:
                 await rpc.write_message(writer, {"ok": True})

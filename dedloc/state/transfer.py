@@ -82,14 +82,12 @@ class StateServer:
                     request.get("min_step"), int):
                 raise ProtocolError(f"malformed state request (protocol {VERSION} expected)")
             if self._uploads.locked():
-                await rpc.write_message(writer, {"busy": True})
-                await rpc.wait_peer_closed(reader, 10)
+                await rpc.reply_last(reader, writer, {"busy": True})
                 return
             async with self._uploads:
                 state = await self._fresh(request["min_step"])
                 if state is None:
-                    await rpc.write_message(writer, {"error": f"no state at step >= {request['min_step']}"})
-                    await rpc.wait_peer_closed(reader, 10)
+                    await rpc.reply_last(reader, writer, {"error": f"no state at step >= {request['min_step']}"})
                     return
                 await rpc.write_message(writer, {"step": state.step, "size": len(state.blob)})
                 view = memoryview(state.blob)
