@@ -70,3 +70,47 @@ def test_probes_measure_tbf_caps_and_the_plan_beats_ring(tmp_path):
             p.close()
         net.close()
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(net.prefix) == 0
+
+
+SLOW = [Link(8, 8)] * 4
+SLOW_NUMEL = 5_000_000  # 20 MB: each peer queues ~15 s of data behind its 8 Mbit/s uplink in phase one
+
+
+@pytest.mark.timeout(300)
+def test_slow_links_pace_payloads_instead_of_losing_connections(tmp_path):
+    """Unpaced, three concurrent 5 MB parts behind an 8 Mbit/s uplink queue ~15 s of data per
+    connection, and the daemon's multiplexer resets connections whose keepalive waits over 10 s:
+    parts fail over or rounds fail. Credit-paced payloads keep the queues short: the round is
+    exact on every member, with no failover."""
+    net = Network(SLOW)
+    peers = []
+    try:
+        peers = [DrivenPeer(net.exec_args(i), i, str(tmp_path)) for i in range(len(SLOW))]
+        averaging = dict(matchmaking_time=3, averaging_timeout=200, probe_interval=0, planner="equal",
+                         replan_interval=600)
+        first = peers[0].call(op="start", peer=dict(run_id="slowtest", host_maddrs=[f"/ip4/{net.ip(0)}/tcp/0"]),
+                              averaging=averaging)
+        for p in peers[1:]:
+            p.call(op="start", averaging=averaging, peer=dict(
+                run_id="slowtest", host_maddrs=[f"/ip4/{net.ip(p.index)}/tcp/0"], initial_peers=first["maddrs"]))
+        weights = [1.0, 1.0, 2.0, 3.0]
+        ref = sum(w * torch.randn(SLOW_NUMEL, generator=torch.Generator().manual_seed(2000 + i))
+                  for i, w in enumerate(weights)) / sum(weights)
+        for p in peers:
+            p.send(op="average", seed=2000 + p.index, numel=SLOW_NUMEL, step=0, weight=weights[p.index], expected=4)
+        answers = [p.receive(250) for p in peers]
+        assert [a["failovers"] for a in answers] == [0] * 4, answers
+        # the queue behind each link stayed short: every payload was credited within a few seconds
+        # of being written (unpaced, this reached ~15 s here)
+        assert max(a["queue_s"] for a in answers) < 5.0, [a["queue_s"] for a in answers]
+        assert all(a["group_size"] == 4 for a in answers)
+        assert len({(tuple(a["head"]), a["checksum"]) for a in answers}) == 1, "members disagree"
+        assert answers[0]["checksum"] == pytest.approx(float(ref.double().sum()), abs=1e-2)
+        assert answers[0]["head"] == pytest.approx(ref[:4].tolist(), abs=1e-5)
+        print(f"slow round {max(a['allreduce_s'] for a in answers):.1f} s, queueing delay "
+              f"{max(a['queue_s'] for a in answers):.1f} s on {SLOW}")
+    finally:
+        for p in peers:
+            p.close()
+        net.close()
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(net.prefix) == 0

@@ -35,7 +35,7 @@ def test_header_roundtrip_and_rejections():
     with pytest.raises(ProtocolError, match="bad magic"):
         unpack_header(b"XXXX" + bytes(raw[4:]))
     raw[4:6] = (99).to_bytes(2, "little")
-    with pytest.raises(ProtocolError, match="version mismatch: ours is 2, theirs is 99"):
+    with pytest.raises(ProtocolError, match=f"version mismatch: ours is {VERSION}, theirs is 99"):
         unpack_header(bytes(raw))
     bad_kind = HEADER.pack(b"DDLC", VERSION, 42, 1, RID, 0, 0.0, 0)
     with pytest.raises(ProtocolError, match="unknown frame kind"):
@@ -51,14 +51,14 @@ def test_payload_size_and_dtype_checked_before_reading():
         data = pack_header(Kind.CONTRIB, RID, 0, 1.0, 8, torch.float32) + x.numpy().tobytes()
         reader = feed(data)
         out = torch.empty(8)
-        await read_payload_into(reader, await read_header(reader), out)
+        await read_payload_into(reader, None, await read_header(reader), out)
         assert torch.equal(out, x)
         reader = feed(data)
         with pytest.raises(ProtocolError, match="size mismatch: expected 4 elements, got 8"):
-            await read_payload_into(reader, await read_header(reader), torch.empty(4))
+            await read_payload_into(reader, None, await read_header(reader), torch.empty(4))
         reader = feed(data)
         with pytest.raises(ProtocolError, match="dtype mismatch"):
-            await read_payload_into(reader, await read_header(reader), torch.empty(8, dtype=torch.float16))
+            await read_payload_into(reader, None, await read_header(reader), torch.empty(8, dtype=torch.float16))
         with pytest.raises(ConnectionError, match="header"):
             await read_header(feed(data[:10]))
 
@@ -219,3 +219,36 @@ def test_aggregator_only_members_never_represent_a_subgroup():
     for k in range(len(group.subgroups)):
         assert group.members[group.representative(k)].fetch
     assert Group.from_wire(group.to_wire()) == group
+
+
+def test_all_finite_finds_any_nan_or_inf():
+    from dedloc.numerics import all_finite
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = torch.randn(10_001).to(dtype)
+        assert all_finite(x)
+        for pos in (0, 5_000, 10_000):
+            for bad in (math.nan, math.inf, -math.inf):
+                y = x.clone()
+                y[pos] = bad
+                assert not all_finite(y), (dtype, pos, bad)
+    assert all_finite(torch.empty(0))
+    assert all_finite(torch.full((3,), 3e38)), "large finite values are finite (a sum would overflow)"
+
+
+def test_buffer_pool_reuses_and_bounds_idle_memory():
+    from dedloc.averaging.buffers import BufferPool
+
+    pool = BufferPool(max_idle_bytes=3 * 400)
+    a = pool.take(100)
+    a.fill_(7)
+    pool.give(a)
+    b = pool.take(100, zero=True)
+    assert b.data_ptr() == a.data_ptr() and torch.equal(b, torch.zeros(100))
+    assert pool.take(100).data_ptr() != b.data_ptr()  # b is taken: a new one
+    pool.give(b[:50])  # a view is never pooled (its base may still be in use)
+    assert pool.take(50).data_ptr() != b.data_ptr()
+    for t in [torch.empty(100) for _ in range(5)]:
+        pool.give(t)
+    assert pool._idle_bytes <= 3 * 400
+    assert pool.take(100, dtype=torch.float16).dtype == torch.float16

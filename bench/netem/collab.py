@@ -78,7 +78,8 @@ def scenario(name: str, links: list[Link], part_time: list[bool], mode: str, arg
         lead = full[0]
         times = dict((s, t) for s, t in lead["step_times"])
         batches = {h[0]: h[2] for h in lead["history"]}
-        first_step, last_step = 1, lead["applied_step"]
+        # with delayed updates the last update is applied at close(), after the last timed step
+        first_step, last_step = 1, max(times)
         samples = sum(batches.get(s, 0.0) for s in range(first_step, last_step))
         span = times[last_step] - times[first_step]
         return {"scenario": name, "peers": len(links), "part_time": sum(part_time), "steps": last_step,

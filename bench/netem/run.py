@@ -49,8 +49,8 @@ CONFIGS: dict[str, list[Spec]] = {
     # every peer alike, fast links
     # (this machine's 2 cores carry ~60 MB/s of p2p traffic in all; "fast" stays below that)
     "homogeneous-fast": [Spec(50, 50)] * 6,
-    # every peer alike, slow links (at 10 Mbit/s, p2pd sessions were reset mid-round: see docs/planning.md)
-    "homogeneous-slow": [Spec(20, 20)] * 6,
+    # every peer alike, slow links (unpaced payloads got p2pd connections reset here: docs/wire.md)
+    "homogeneous-slow": [Spec(10, 10)] * 6,
     # two well-connected servers, six home workstations (slow uplink)
     "servers+workstations": [Spec(200, 200)] * 2 + [Spec(20, 100)] * 6,
     # the same with two workstations behind NAT (client mode) and two CPU-only aggregators

@@ -16,8 +16,11 @@ class PartAccumulator:
     is either a contributor, rejected (with its reason) or timed out, never two of these.
     """
 
-    def __init__(self, expected: set[int], numel: int):
-        self.sum = torch.zeros(numel, dtype=torch.float32)
+    def __init__(self, expected: set[int], numel: int, zeros: torch.Tensor | None = None):
+        """``zeros``: a float32 buffer of ``numel`` zeros to accumulate in (default: a new one)."""
+        if zeros is not None and (zeros.numel() != numel or zeros.dtype != torch.float32):
+            raise ValueError(f"accumulator buffer must be {numel} float32 zeros")
+        self.sum = zeros if zeros is not None else torch.zeros(numel, dtype=torch.float32)
         self.total_weight = 0.0
         self.pending = set(expected)
         self.contributors: list[int] = []

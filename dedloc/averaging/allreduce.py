@@ -27,11 +27,13 @@ from typing import Awaitable, Callable
 import torch
 
 from dedloc.averaging.accumulator import PartAccumulator
+from dedloc.averaging.buffers import BufferPool
 from dedloc.averaging.group import Group
 from dedloc.averaging.wire import (Header, Kind, ProtocolError, read_error_text, read_header, read_payload_into,
                                    write_error, write_frame)
 from dedloc.errors import AveragingError
 from dedloc.net.rpc import wait_peer_closed
+from dedloc.numerics import all_finite
 
 logger = logging.getLogger(__name__)
 ACK_GRACE = 10.0
@@ -45,6 +47,8 @@ class RoundStats:
         self.excluded: dict[str, str] = {}
         self.part_weights: dict[int, float] = {}
         self.received_bytes = 0
+        self.queue_s = 0.0
+        """The longest queueing delay a payload this member sent saw (write to credit; dedloc.net.bulk)."""
         self._intervals: list[tuple[float, float]] = []
 
     def received(self, nbytes: int, start: float, end: float) -> None:
@@ -74,9 +78,11 @@ class PartitionedRound:
     """One member's side of one partitioned all-reduce round."""
 
     def __init__(self, group: Group, me: int, local: torch.Tensor, weight: float, open_stream: OpenStream,
-                 timeout: float, compression: str = "none", chunk_bytes: int = 4 << 20):
+                 timeout: float, compression: str = "none", chunk_bytes: int = 4 << 20,
+                 pool: BufferPool | None = None):
         self.group, self.me, self.local, self.weight = group, me, local, weight
         self.open_stream, self.chunk_bytes = open_stream, chunk_bytes
+        self.pool = pool or BufferPool(0)
         self.wire_dtype = torch.float16 if compression == "float16" else torch.float32
         self.bounds = group.part_bounds(local.numel())
         self.output = torch.empty_like(local)
@@ -94,7 +100,7 @@ class PartitionedRound:
         self._failover_tasks: list[asyncio.Task] = []
         if me in self.aggregators:
             s, e = self.bounds[me]
-            self.acc = PartAccumulator(self.senders, e - s)
+            self.acc = PartAccumulator(self.senders, e - s, self.pool.take(e - s, zero=True))
         self._own_ready = asyncio.Event()
         fetch = group.members[me].fetch
         self._exchanges = [j for j in self.aggregators if j != me and (fetch or group.backup(j) == me)]
@@ -129,26 +135,44 @@ class PartitionedRound:
         s, e = self.bounds[part]
         return self._to_wire(self.local[s:e])
 
-    async def _read_part(self, reader: asyncio.StreamReader, header: Header, part: int) -> torch.Tensor:
+    async def _read_part(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, header: Header,
+                         part: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Read a part's payload: straight into ``into`` when the wire is float32, else into a pooled
+        buffer the caller gives back. Raises ProtocolError for NaN/inf values."""
         s, e = self.bounds[part]
-        buf = torch.empty(e - s, dtype=self.wire_dtype)
+        buf = into if into is not None and self.wire_dtype == torch.float32 else self.pool.take(e - s, self.wire_dtype)
         start = time.perf_counter()
-        await read_payload_into(reader, header, buf, self.chunk_bytes)
+        try:
+            await read_payload_into(reader, writer, header, buf)
+        except BaseException:
+            if buf is not into:
+                self.pool.give(buf)
+            raise
         self.stats.received(buf.numel() * buf.element_size(), start, time.perf_counter())
-        data = buf if buf.dtype == torch.float32 else buf.float()
-        if not bool(torch.isfinite(data).all()):
+        data = buf
+        if buf.dtype != torch.float32:
+            data = self.pool.take(e - s)
+            data.copy_(buf)
+            self.pool.give(buf)
+        if not all_finite(data):
+            if data is not into:
+                self.pool.give(data)
             raise ProtocolError("contains NaN or inf values")
         return data
 
-    async def _read_result(self, reader: asyncio.StreamReader, part: int, who: int) -> None:
+    async def _read_result(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, part: int,
+                           who: int) -> None:
         header = await read_header(reader)
         if header.kind == Kind.ERROR:
             raise AveragingError(f"peer {self._name(who)} answered: {await read_error_text(reader, header)}")
         if header.kind != Kind.RESULT or header.part != part:
             raise ProtocolError(f"expected RESULT for part {part}, got {header.kind.name} for part {header.part}")
-        data = await self._read_part(reader, header, part)
         s, e = self.bounds[part]
-        self.output[s:e] = data
+        out = self.output[s:e]
+        data = await self._read_part(reader, writer, header, part, into=out)
+        if data is not out:
+            out.copy_(data)
+            self.pool.give(data)
         self.stats.part_weights[part] = header.weight
 
     # ---- member side ---------------------------------------------------------------------------
@@ -173,6 +197,9 @@ class PartitionedRound:
         if errors:
             raise AveragingError(f"{self._prefix()}: {len(errors)} part(s) could not be averaged: {errors[0]}")
         return self.output
+
+    def _queued(self, delay: float) -> None:
+        self.stats.queue_s = max(self.stats.queue_s, delay)
 
     def _sent(self, j: int) -> None:
         """This member's contribution to part ``j`` is written (or will never be)."""
@@ -199,10 +226,10 @@ class PartitionedRound:
             async with asyncio.timeout_at(self.result_deadline):
                 reader, writer = await self.open_stream(self._name(j))
                 try:
-                    await write_frame(writer, Kind.CONTRIB, self.group.round_id, j, self.weight,
-                                      self._contribution(j), self.chunk_bytes)
+                    self._queued(await write_frame(writer, Kind.CONTRIB, self.group.round_id, j, self.weight,
+                                                   self._contribution(j), self.chunk_bytes, reader))
                     self._sent(j)
-                    await self._read_result(reader, j, j)
+                    await self._read_result(reader, writer, j, j)
                     self._have[j].set_result(True)
                     if self.group.backup(j) == self.me:
                         await write_frame(writer, Kind.ACK, self.group.round_id, j)
@@ -237,9 +264,9 @@ class PartitionedRound:
         async with asyncio.timeout_at(self.deadline):
             reader, writer = await self.open_stream(self._name(b))
             try:
-                await write_frame(writer, Kind.FAILOVER, self.group.round_id, j, self.weight,
-                                  self._contribution(j), self.chunk_bytes)
-                await self._read_result(reader, j, b)
+                self._queued(await write_frame(writer, Kind.FAILOVER, self.group.round_id, j, self.weight,
+                                               self._contribution(j), self.chunk_bytes, reader))
+                await self._read_result(reader, writer, j, b)
             finally:
                 writer.close()
 
@@ -252,6 +279,7 @@ class PartitionedRound:
             await self.acc.wait(self.reduce_deadline)
             mean = self.acc.finish()
             self.output[s:e] = self._rounded(mean)
+            self.pool.give(mean)
             self.stats.part_weights[self.me] = self.acc.total_weight
             for k, why in self.acc.rejected.items():
                 self.stats.excluded[self._name(k)] = why
@@ -265,8 +293,8 @@ class PartitionedRound:
             if not self._backup_connected and not self._backup_ok.done():
                 self._backup_ok.set_result(True)  # backup never showed up: it cannot hold a stale copy
 
-    async def _receive(self, k: int, header: Header, reader: asyncio.StreamReader, part: int,
-                       acc: PartAccumulator) -> None:
+    async def _receive(self, k: int, header: Header, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       part: int, acc: PartAccumulator) -> None:
         member = self.group.members[k]
         try:
             if header.part != part:
@@ -278,7 +306,9 @@ class PartitionedRound:
                 return
             if abs(header.weight - member.weight) > 1e-6 * max(1.0, member.weight):
                 raise ProtocolError(f"weight {header.weight} differs from the agreed {member.weight}")
-            acc.add(k, member.weight, await self._read_part(reader, header, part))
+            data = await self._read_part(reader, writer, header, part)
+            acc.add(k, member.weight, data)
+            self.pool.give(data)
         except ProtocolError as e:
             logger.warning(f"{self._prefix()}: rejected contribution of peer {member.peer_id} to part {part}: {e}")
             acc.reject(k, str(e))
@@ -288,10 +318,11 @@ class PartitionedRound:
             acc.reject(k, f"disconnected: {e}")
             raise ConnectionError("sender left") from None
 
-    async def _send_result(self, writer: asyncio.StreamWriter, part: int, weight: float) -> None:
+    async def _send_result(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, part: int,
+                           weight: float) -> None:
         s, e = self.bounds[part]
-        await write_frame(writer, Kind.RESULT, self.group.round_id, part, weight,
-                          self._to_wire(self.output[s:e]), self.chunk_bytes)
+        self._queued(await write_frame(writer, Kind.RESULT, self.group.round_id, part, weight,
+                                       self._to_wire(self.output[s:e]), self.chunk_bytes, reader))
 
     async def handle(self, peer_id: str, header: Header, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> bool:
@@ -317,7 +348,7 @@ class PartitionedRound:
         if is_backup:
             self._backup_connected = True
         try:
-            await self._receive(k, header, reader, self.me, self.acc)
+            await self._receive(k, header, reader, writer, self.me, self.acc)
         except ConnectionError:
             if is_backup and not self._backup_ok.done():
                 self._backup_ok.set_result(True)  # a backup that left holds no copy and serves no failover
@@ -331,7 +362,7 @@ class PartitionedRound:
                     return True
                 if is_backup:  # the backup writes last here (its ACK)
                     try:
-                        await self._send_result(writer, self.me, self.acc.total_weight)
+                        await self._send_result(reader, writer, self.me, self.acc.total_weight)
                         self.undelivered.discard(k)
                         acked = (await read_header(reader)).kind == Kind.ACK
                     except (ConnectionError, asyncio.IncompleteReadError):
@@ -342,7 +373,7 @@ class PartitionedRound:
                 if not await asyncio.shield(self._backup_ok):
                     await write_error(writer, self.group.round_id, "backup did not confirm the result; fail over")
                     return True
-                await self._send_result(writer, self.me, self.acc.total_weight)
+                await self._send_result(reader, writer, self.me, self.acc.total_weight)
                 self.undelivered.discard(k)
                 return True
         except Exception as e:
@@ -355,7 +386,7 @@ class PartitionedRound:
     def _failover_state(self, j: int) -> _Failover:
         if j not in self._failovers:
             s, e = self.bounds[j]
-            state = _Failover(PartAccumulator(self.senders - {j}, e - s))
+            state = _Failover(PartAccumulator(self.senders - {j}, e - s, self.pool.take(e - s, zero=True)))
             self._failovers[j] = state
             self._failover_tasks.append(asyncio.create_task(self._run_failover(j, state)))
         return self._failovers[j]
@@ -371,6 +402,7 @@ class PartitionedRound:
                 await state.acc.wait(self.failover_deadline)
                 mean = state.acc.finish()
                 self.output[s:e] = self._rounded(mean)
+                self.pool.give(mean)
                 self.stats.part_weights[j] = state.acc.total_weight
                 logger.info(f"{self._prefix()}: re-reduced part {j} of failed aggregator {self._name(j)} "
                             f"from {len(state.acc.contributors)} contributions")
@@ -384,14 +416,14 @@ class PartitionedRound:
         j = header.part
         state = self._failover_state(j)
         try:
-            await self._receive(k, header, reader, j, state.acc)
+            await self._receive(k, header, reader, writer, j, state.acc)
         except ConnectionError:
             return False
         await state.ready.wait()
         if state.error:
             await write_error(writer, self.group.round_id, state.error)
         else:
-            await self._send_result(writer, j, self.stats.part_weights.get(j, 0.0))
+            await self._send_result(reader, writer, j, self.stats.part_weights.get(j, 0.0))
         return True
 
     def close(self) -> None:

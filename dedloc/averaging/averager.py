@@ -20,6 +20,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from dedloc.averaging.allreduce import PartitionedRound
+from dedloc.averaging.buffers import BufferPool
 from dedloc.averaging.group import Group, sub_round_id
 from dedloc.averaging.matchmaking import Matchmaker, SharePolicy
 from dedloc.averaging.ring import RingRound
@@ -28,6 +29,7 @@ from dedloc.config import AveragingConfig
 from dedloc.errors import AveragingError, ProtocolError
 from dedloc.net.node import Node
 from dedloc.net.rpc import wait_peer_closed
+from dedloc.numerics import all_finite
 
 logger = logging.getLogger(__name__)
 ROUND_GRACE = 30.0
@@ -56,7 +58,7 @@ class _Broadcast:
         except Exception as e:
             await write_error(writer, header.round_id, f"top-level reduce failed: {e}")
             return True
-        await write_frame(writer, Kind.RESULT, header.round_id, 0, weight, result, self.chunk_bytes)
+        await write_frame(writer, Kind.RESULT, header.round_id, 0, weight, result, self.chunk_bytes, reader)
         return True
 
 
@@ -73,6 +75,7 @@ class Averager:
         share = config.share if config.share is not None else (0.0 if node.config.client_mode else 1.0)
         self.matchmaker = Matchmaker(node, config, share, policy)
         self.on_received = on_received
+        self.pool = BufferPool()  # receive buffers and partial sums, reused across rounds
         self.me = node.peer_id.to_base58()
         self.proto = f"dedloc.{node.config.run_id}.allreduce"
         self._rounds: dict[bytes, _Round] = {}
@@ -171,7 +174,7 @@ class Averager:
             raise AveragingError(f"weight must be finite and >= 0, got {weight}")
         if self.config.aggregator_only and weight != 0:
             raise AveragingError(f"an aggregator-only peer contributes nothing; got weight {weight}")
-        if weight > 0 and not bool(torch.isfinite(tensor).all()):
+        if weight > 0 and not all_finite(tensor):
             raise AveragingError(f"step {step}: local tensor has NaN or inf values; refusing to send it")
         timeout = timeout or self.config.averaging_timeout
         t0 = time.perf_counter()
@@ -202,13 +205,14 @@ class Averager:
     async def _partitioned(self, group: Group, me: int, local: torch.Tensor, weight: float, timeout: float,
                            stats: dict[str, Any]) -> tuple[torch.Tensor, float]:
         rnd = PartitionedRound(group, me, local, weight, self._open, timeout, group.compression,
-                               self.config.chunk_bytes)
+                               self.config.chunk_bytes, self.pool)
         self._register(group.round_id, rnd, timeout + ROUND_GRACE)
         try:
             output = await rnd.run()
         finally:
             stats["failovers"] += rnd.stats.failovers
             stats["excluded"].update(rnd.stats.excluded)
+            stats["queue_s"] = max(stats.get("queue_s", 0.0), rnd.stats.queue_s)
             if self.on_received is not None and rnd.stats.receiving_s > 0:
                 self.on_received(rnd.stats.received_bytes, rnd.stats.receiving_s)
         weights = rnd.stats.part_weights
@@ -256,7 +260,7 @@ class Averager:
                     if header.kind != Kind.RESULT:
                         raise ProtocolError(f"representative {peer} answered {header.kind.name}")
                     out = torch.empty(numel, dtype=torch.float32)
-                    await read_payload_into(reader, header, out, self.config.chunk_bytes)
+                    await read_payload_into(reader, writer, header, out)
                     return out, header.weight
                 finally:
                     writer.close()

@@ -74,6 +74,9 @@ class Matchmaker:
         self._lead: dict[int, _Lead] = {}
         self._follow: dict[int, str] = {}
         self._decided: dict[int, asyncio.Event] = {}
+        self._unreachable: dict[int, set[str]] = {}
+        """Per step, leaders this peer could not reach: never stepped down for again (stepping down
+        and failing to reach them would loop until the deadline)."""
 
     async def start(self) -> None:
         if not self.client:
@@ -86,6 +89,7 @@ class Matchmaker:
                 self._decided.pop(old, None)
                 self._lead.pop(old, None)
                 self._follow.pop(old, None)
+                self._unreachable.pop(old, None)
         return self._decided[step]
 
     # ---- DHT views -----------------------------------------------------------------------------
@@ -159,7 +163,8 @@ class Matchmaker:
         self._decision(step).set()
         while loop.time() < close_deadline:
             ready = await self._ready(step, me)
-            smaller = sorted(p for p, m in ready.items() if not m.client and p < self.me)
+            unreachable = self._unreachable.get(step, set())
+            smaller = sorted(p for p, m in ready.items() if not m.client and p < self.me and p not in unreachable)
             if smaller:
                 state.redirect = smaller[0]
                 state.done.set()
@@ -252,6 +257,7 @@ class Matchmaker:
                     max(0.1, deadline - loop.time()))
             except Exception as e:  # the request was never delivered: safe to try another leader
                 logger.info(f"step {step}: leader {leader} unreachable ({type(e).__name__}); trying the next")
+                self._unreachable.setdefault(step, set()).add(leader)
                 rest = [c for c in candidates if c not in tried and c != self.me]
                 if not rest or rest[0] > self.me:
                     if not self.client:

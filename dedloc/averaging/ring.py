@@ -60,7 +60,7 @@ class RingRound:
         self.bounds = [(int(c[0]) if len(c) else 0, int(c[-1]) + 1 if len(c) else 0) for c in self.chunks]
         self.deadline = asyncio.get_running_loop().time() + timeout
         loop = asyncio.get_running_loop()
-        self._in: asyncio.Future = loop.create_future()  # (reader, first header or None)
+        self._in: asyncio.Future = loop.create_future()  # (reader, writer, first header or None)
         self._out: asyncio.Future = loop.create_future()  # (reader, writer) towards the successor
         self._done = asyncio.Event()  # set when this member's result is final
         self._received = asyncio.Event()  # set when everything from the predecessor has arrived
@@ -77,7 +77,7 @@ class RingRound:
             self._out.set_result((reader, writer))
             until = self._done  # our sending side: run() waits for the successor to close it
         elif k == self.pred and header.part != HELLO and not self._in.done():
-            self._in.set_result((reader, header))
+            self._in.set_result((reader, writer, header))
             until = self._received  # our receiving side: closed as soon as everything arrived
         else:
             raise ProtocolError(f"peer {peer_id} is not an expected ring neighbour")
@@ -111,25 +111,28 @@ class RingRound:
             out_reader, out = await self._out
             pending_header = None
             reader = None
+            tmp = None
             for t in range(2 * (n - 1)):
                 reduce = t < n - 1
                 send_c = (self.pos - t) % n if reduce else (self.pos + 1 - (t - n + 1)) % n
                 recv_c = (self.pos - t - 1) % n if reduce else (self.pos - (t - n + 1)) % n
                 s, e = self.bounds[send_c]
-                send = asyncio.create_task(write_frame(out, Kind.RING, rid, t, 0.0, self.buf[s:e], self.chunk_bytes))
+                send = asyncio.create_task(write_frame(out, Kind.RING, rid, t, 0.0, self.buf[s:e], self.chunk_bytes,
+                                                       out_reader))
                 if reader is None:
-                    reader, pending_header = await self._in
+                    reader, in_writer, pending_header = await self._in
                 header = pending_header or await read_header(reader)
                 pending_header = None
                 if header.kind != Kind.RING or header.part != t:
                     raise ProtocolError(f"expected ring step {t}, got {header.kind.name} {header.part}")
                 s2, e2 = self.bounds[recv_c]
-                tmp = torch.empty(e2 - s2, dtype=torch.float32)
-                await read_payload_into(reader, header, tmp, self.chunk_bytes)
                 if reduce:
-                    self.buf[s2:e2] += tmp
-                else:
-                    self.buf[s2:e2] = tmp
+                    if tmp is None:
+                        tmp = torch.empty(max(b - a for a, b in self.bounds), dtype=torch.float32)
+                    await read_payload_into(reader, in_writer, header, tmp[:e2 - s2])
+                    self.buf[s2:e2] += tmp[:e2 - s2]
+                else:  # gather: the chunk is final, read it in place
+                    await read_payload_into(reader, in_writer, header, self.buf[s2:e2])
                 await send
             # everything arrived: close our receiving side now, then let the successor close our
             # sending side once it has read all we wrote (closing it first could drop the tail)
@@ -148,5 +151,5 @@ class RingRound:
     async def _open_in(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         reader, writer = await self.open_stream(self._peer(self.pred))
         await write_frame(writer, Kind.RING, self.group.round_id, HELLO)
-        self._in.set_result((reader, None))
+        self._in.set_result((reader, writer, None))
         return reader, writer

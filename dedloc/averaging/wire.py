@@ -2,7 +2,8 @@
 
 A frame is a fixed 44-byte little-endian header followed by ``numel * itemsize`` raw bytes
 (or a UTF-8 message for ERROR frames). Payloads are streamed in large chunks straight out of
-and into preallocated tensors: no per-chunk framing, no protobuf.
+and into preallocated tensors: no per-chunk framing, no protobuf. While reading a payload, the
+receiver sends credit bytes back on the same stream, which pace the sender (dedloc.net.bulk).
 
 Guarantees: a receiver never allocates from a length a peer sent; it reads into a buffer of
 the size it expects and rejects any other size with :class:`ProtocolError` naming the field.
@@ -19,9 +20,10 @@ import numpy as np
 import torch
 
 from dedloc.errors import ProtocolError
+from dedloc.net import bulk
 
 MAGIC = b"DDLC"
-VERSION = 2  # 2: group members carry a "fetch" flag; ready records carry the vector size
+VERSION = 3  # 2: members carry a "fetch" flag, ready records the vector size; 3: payloads are credit-paced
 HEADER = struct.Struct("<4sHBB16sIdQ")
 MAX_ERROR_BYTES = 4096
 
@@ -99,18 +101,19 @@ def _bytes_view(t: torch.Tensor) -> np.ndarray:
 
 
 async def write_frame(writer: asyncio.StreamWriter, kind: Kind, round_id: bytes, part: int = 0,
-                      weight: float = 0.0, tensor: torch.Tensor | None = None, chunk_bytes: int = 4 << 20) -> None:
-    """Write one frame; the tensor (CPU, contiguous) is sent as raw bytes in large chunks."""
+                      weight: float = 0.0, tensor: torch.Tensor | None = None, chunk_bytes: int = 4 << 20,
+                      reader: asyncio.StreamReader | None = None) -> float:
+    """Write one frame; a tensor (CPU, contiguous) goes as raw bytes in large chunks, paced by the
+    receiver's credits read from ``reader`` (dedloc.net.bulk). Returns once the payload is credited,
+    with the queueing delay the payload saw (seconds; 0 without a payload)."""
     if tensor is None:
         writer.write(pack_header(kind, round_id, part, weight))
         await writer.drain()
-        return
+        return 0.0
+    if reader is None:
+        raise ValueError("a frame with a payload needs the stream's reader for credits")
     writer.write(pack_header(kind, round_id, part, weight, tensor.numel(), tensor.dtype))
-    view = memoryview(_bytes_view(tensor))
-    for off in range(0, len(view), chunk_bytes):
-        writer.write(view[off:off + chunk_bytes])
-        await writer.drain()
-    await writer.drain()
+    return await bulk.send_paced(writer, reader, memoryview(_bytes_view(tensor)), chunk_bytes)
 
 
 async def write_error(writer: asyncio.StreamWriter, round_id: bytes, message: str) -> None:
@@ -124,26 +127,14 @@ async def read_error_text(reader: asyncio.StreamReader, header: Header) -> str:
     return data.decode(errors="replace")
 
 
-async def read_payload_into(reader: asyncio.StreamReader, header: Header, out: torch.Tensor,
-                            chunk_bytes: int = 4 << 20) -> None:
-    """Read the frame's payload into ``out``; the header must match out's numel and dtype."""
+async def read_payload_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None, header: Header,
+                            out: torch.Tensor) -> None:
+    """Read the frame's payload into ``out`` (sending credits through ``writer``); the header must
+    match out's numel and dtype, else ProtocolError and nothing is read."""
     if header.dtype != out.dtype:
         raise ProtocolError(f"dtype mismatch: expected {out.dtype}, got {header.dtype}")
     if header.numel != out.numel():
         raise ProtocolError(f"size mismatch: expected {out.numel()} elements, got {header.numel}")
-    dst = _bytes_view(out)
-    total, off = dst.nbytes, 0
-    while off < total:
-        n = min(chunk_bytes, total - off)
-        data = await reader.readexactly(n)
-        dst[off:off + n] = np.frombuffer(data, dtype=np.uint8)
-        off += n
-
-
-async def skip_payload(reader: asyncio.StreamReader, header: Header, limit: int) -> None:
-    """Drain a payload we will not use (bounded by ``limit`` bytes, else ProtocolError)."""
-    if header.nbytes > limit:
-        raise ProtocolError(f"payload of {header.nbytes} bytes exceeds the expected {limit}")
-    left = header.nbytes
-    while left:
-        left -= len(await reader.readexactly(min(left, 1 << 20)))
+    if not out.is_contiguous():
+        raise ValueError("read_payload_into needs a contiguous tensor")
+    await bulk.recv_into(reader, writer, memoryview(_bytes_view(out)))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from dedloc.numerics import all_finite
+
 
 class GradientAccumulator:
     """Sums ``batch_size * grad`` over micro-batches for a fixed list of parameters.
@@ -45,7 +47,7 @@ class GradientAccumulator:
         if self.samples == 0:
             return out, True
         mean = self.sum / self.samples
-        finite = bool(torch.isfinite(mean).all())
+        finite = all_finite(mean)
         if finite:
             out[:-1].copy_(mean)
         else:

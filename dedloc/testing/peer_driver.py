@@ -47,7 +47,7 @@ def main() -> None:
                                      timeout=cmd.get("timeout"), gather_time=cmd.get("gather_time"))
                 answer = {"seconds": time.perf_counter() - t0, "allreduce_s": stats["allreduce_s"],
                           "shares": stats["shares"], "peers": stats["peers"], "group_size": stats["group_size"],
-                          "failovers": stats["failovers"], "checksum": float(x.double().sum()),
+                          "failovers": stats["failovers"], "queue_s": stats.get("queue_s", 0.0), "checksum": float(x.double().sum()),
                           "head": x[:4].tolist()}
             elif op == "close":
                 if peer is not None:

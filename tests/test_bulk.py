@@ -1,0 +1,105 @@
+"""Credit-paced sends and zero-copy reads (dedloc.net.bulk) over real Unix sockets, as the p2p
+daemon's streams are."""
+
+import asyncio
+import os
+import socket
+
+import pytest
+
+from dedloc.errors import ProtocolError
+from dedloc.net import bulk
+
+
+async def pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ra, wa = await asyncio.open_unix_connection(sock=a)
+    rb, wb = await asyncio.open_unix_connection(sock=b)
+    return (ra, wa), (rb, wb)
+
+
+@pytest.mark.parametrize("size", [1, bulk.UNIT, bulk.UNIT + 1, 3 * (1 << 20) + 17, 40 << 20])
+def test_paced_payload_arrives_exactly_and_credits_balance(size):
+    """Small payloads take the ordinary path, large ones the zero-copy path; either way the bytes
+    are exact, and the sender consumes exactly the credits sent: what follows on the stream is intact."""
+
+    async def go():
+        (ra, wa), (rb, wb) = await pair()
+        data = os.urandom(size)
+        out = bytearray(size)
+
+        async def receive():
+            await bulk.recv_into(rb, wb, memoryview(out))
+            wb.write(b"after")
+            await wb.drain()
+
+        delay, _ = await asyncio.wait_for(asyncio.gather(bulk.send_paced(wa, ra, memoryview(data), 1 << 20),
+                                                         receive()), 60)
+        assert bytes(out) == data
+        assert await asyncio.wait_for(ra.readexactly(5), 10) == b"after"
+        assert 0 <= delay < 30
+        # the reader keeps working normally after a zero-copy read
+        wa.write(b"tail")
+        await wa.drain()
+        assert await rb.readexactly(4) == b"tail"
+        wa.close()
+        wb.close()
+
+    asyncio.run(go())
+
+
+def test_zero_copy_read_starts_from_what_the_reader_already_buffered():
+    async def go():
+        (ra, wa), (rb, wb) = await pair()
+        data = os.urandom(5 << 20)
+        wa.write(b"H" + data[:100_000])  # arrives before the payload read starts
+        await wa.drain()
+        assert await rb.readexactly(1) == b"H"  # the rest of that write is now in the reader's buffer
+        out = bytearray(len(data))
+        reading = asyncio.create_task(bulk.recv_into(rb, None, memoryview(out)))
+        wa.write(data[100_000:])
+        await wa.drain()
+        await asyncio.wait_for(reading, 30)
+        assert bytes(out) == data
+        wa.close()
+        wb.close()
+
+    asyncio.run(go())
+
+
+def test_sender_closing_mid_payload_raises_incomplete_read():
+    async def go():
+        (ra, wa), (rb, wb) = await pair()
+        for size in (1000, 4 << 20):  # ordinary and zero-copy paths
+            reading = asyncio.create_task(bulk.recv_into(rb, None, memoryview(bytearray(size))))
+            wa.write(os.urandom(size // 2))
+            await wa.drain()
+            wa.close()
+            with pytest.raises(asyncio.IncompleteReadError):
+                await asyncio.wait_for(reading, 10)
+            wb.close()
+            (ra, wa), (rb, wb) = await pair()
+        wa.close()
+        wb.close()
+
+    asyncio.run(go())
+
+
+def test_receiver_answering_instead_of_crediting_is_a_protocol_error():
+    async def go():
+        (ra, wa), (rb, wb) = await pair()
+        wb.write(b"DDLC not a credit")
+        await wb.drain()
+
+        async def discard():
+            while await rb.read(1 << 20):
+                pass
+
+        sink = asyncio.create_task(discard())
+        with pytest.raises(ProtocolError, match="before reading the whole payload"):
+            await asyncio.wait_for(bulk.send_paced(wa, ra, memoryview(bytes(4 << 20)), 1 << 20), 10)
+        wa.close()
+        await asyncio.wait_for(sink, 10)
+        wb.close()
+
+    asyncio.run(go())
