@@ -141,7 +141,7 @@ async def recv_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter |
         while done < total:
             data = await reader.read(min(total - done, 1 << 20))
             if not data:
-                raise asyncio.IncompleteReadError(bytes(view[:done]), total)
+                raise asyncio.IncompleteReadError(b"", total - done)  # expected: the bytes still missing
             view[done:done + len(data)] = data
             progress(len(data))
         return
@@ -157,7 +157,7 @@ async def recv_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter |
     if done == total:
         return
     if reader.at_eof():
-        raise asyncio.IncompleteReadError(bytes(view[:done]), total)
+        raise asyncio.IncompleteReadError(b"", total - done)  # expected: the bytes still missing
     loop = asyncio.get_running_loop()
     transport.pause_reading()
     try:
@@ -167,7 +167,7 @@ async def recv_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter |
                 got = await loop.sock_recv_into(dup, view[done:])
                 if got == 0:
                     reader.feed_eof()
-                    raise asyncio.IncompleteReadError(bytes(view[:done]), total)
+                    raise asyncio.IncompleteReadError(b"", total - done)  # expected: the bytes still missing
                 progress(got)
     finally:
         reader._paused = False  # noqa: SLF001: the reader's own pause (if any) ended with its buffer
