@@ -26,7 +26,9 @@ def test_probes_measure_tbf_caps_and_the_plan_beats_ring(tmp_path):
     peers = []
     try:
         peers = [DrivenPeer(net.exec_args(i), i, str(tmp_path)) for i in range(len(CAPS))]
-        averaging = dict(matchmaking_time=3, averaging_timeout=60, probe_interval=0, probe_mb=1, replan_interval=600)
+        averaging = dict(matchmaking_time=3, averaging_timeout=60, probe_interval=0, probe_mb=2, replan_interval=600)
+        # 2 MiB: a fast stream must run >= 0.1 s for the concurrent-window download measurement
+        # (with 1 MiB at 100 Mbit/s it took 0.08 s, and the fallback total/span read 48 Mbit/s)
         first = peers[0].call(op="start", peer=dict(run_id="netemtest", host_maddrs=[f"/ip4/{net.ip(0)}/tcp/0"]),
                               averaging=averaging)
         ids = [first["peer_id"]] + [p.call(op="start", averaging=averaging, peer=dict(
