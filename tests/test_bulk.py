@@ -29,15 +29,19 @@ def test_paced_payload_arrives_exactly_and_credits_balance(size):
         out = bytearray(size)
 
         async def receive():
-            await bulk.recv_into(rb, wb, memoryview(out))
+            got = await bulk.recv_into(rb, wb, memoryview(out), on_progress=progress.append)
             wb.write(b"after")
             await wb.drain()
+            return got
 
-        delay, _ = await asyncio.wait_for(asyncio.gather(bulk.send_paced(wa, ra, memoryview(data), 1 << 20),
+        progress: list[int] = []
+        sent, received = await asyncio.wait_for(asyncio.gather(bulk.send_paced(wa, ra, memoryview(data), 1 << 20),
                                                          receive()), 60)
         assert bytes(out) == data
         assert await asyncio.wait_for(ra.readexactly(5), 10) == b"after"
-        assert 0 <= delay < 30
+        assert sent.nbytes == received.nbytes == size
+        assert 0 <= sent.queue_s <= sent.seconds < 30 and 0 <= received.seconds < 30
+        assert progress[-1] == size and progress == sorted(progress)
         # the reader keeps working normally after a zero-copy read
         wa.write(b"tail")
         await wa.drain()
@@ -88,7 +92,7 @@ def test_sender_closing_mid_payload_raises_incomplete_read():
 def test_receiver_answering_instead_of_crediting_is_a_protocol_error():
     async def go():
         (ra, wa), (rb, wb) = await pair()
-        wb.write(b"DDLC not a credit")
+        wb.write(bytes([bulk.CREDIT]) * 3 + b"DDLC not a credit")
         await wb.drain()
 
         async def discard():
@@ -98,6 +102,8 @@ def test_receiver_answering_instead_of_crediting_is_a_protocol_error():
         sink = asyncio.create_task(discard())
         with pytest.raises(ProtocolError, match="before reading the whole payload"):
             await asyncio.wait_for(bulk.send_paced(wa, ra, memoryview(bytes(4 << 20)), 1 << 20), 10)
+        # the answer (after the credits) is left on the stream for the caller to read
+        assert await asyncio.wait_for(ra.readexactly(17), 10) == b"DDLC not a credit"
         wa.close()
         await asyncio.wait_for(sink, 10)
         wb.close()

@@ -8,7 +8,10 @@ import time
 
 import pytest
 import torch
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
 from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
 
 from dedloc.averaging.matchmaking import Matchmaker
 from dedloc.averaging.wire import Kind, read_header, write_frame
@@ -35,6 +38,16 @@ def either_reference(results, xs, ws, victim):
     out = results[0]
     ok = torch.isclose(out, with_v, atol=1e-5) | torch.isclose(out, without, atol=1e-5)
     assert bool(ok.all()), f"{int((~ok).sum())} elements match neither reference"
+
+
+def ed25519_identity(path) -> str:
+    """Write a fresh libp2p Ed25519 identity (the kind p2pd makes for itself) to ``path``; its peer id."""
+    key = ed25519.Ed25519PrivateKey.generate()
+    raw = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
+    pub = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    path.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=raw + pub).SerializeToString())
+    public = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.Ed25519, data=pub).SerializeToString()
+    return PeerID(bytes([0, len(public)]) + public).to_base58()  # identity multihash of the public key
 
 
 def run_with_victim(peers, victim, ws, averaging_timeout):
@@ -170,6 +183,52 @@ def test_hostile_member_and_hostile_streams_are_rejected(make_peers):
     with cf.ThreadPoolExecutor(3) as pool:
         list(pool.map(lambda a: a[0].average(a[1], step=10, weight=1.0, expected_peers=3), zip(peers, xs)))
     assert torch.equal(xs[0], torch.ones(10))
+
+
+def test_ready_peer_that_never_answers_joins_cannot_stall_matchmaking(make_peers, tmp_path):
+    """A peer announces itself ready with the smallest peer id (so it is everyone's leader), then
+    never serves joins, as after a crash. The honest peers find it unreachable, the smallest of
+    them leads instead without ever stepping down for it again, and they average exactly."""
+    mm_time = 3
+    peers = make_peers(3, averaging=AveragingConfig(matchmaking_time=mm_time, averaging_timeout=20))
+    smallest = min(p.peer_id for p in peers)
+    key = tmp_path / "silent.key"
+    for _ in range(10_000):  # an identity whose peer id sorts before every honest one
+        silent_id = ed25519_identity(key)
+        if silent_id < smallest:
+            break
+    else:
+        pytest.fail("no identity sorted first in 10000 tries")
+    announced, finished = threading.Event(), threading.Event()
+
+    async def silent():
+        node = await Node.create(PeerConfig(run_id=peers[0].config.run_id, initial_peers=tuple(peers[0].maddrs),
+                                            identity_path=str(key)))
+        try:
+            assert node.peer_id.to_base58() == silent_id
+            await node.store(node.key("ready", 0), silent_id,
+                             {"w": 1.0, "s": 1.0, "c": False, "f": True, "n": 1000}, ttl=60)
+            announced.set()
+            await asyncio.to_thread(finished.wait, 120)
+        finally:
+            await node.shutdown()
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(asyncio.run, silent())
+        try:
+            assert announced.wait(60), "the silent peer did not start"
+            xs = [torch.full((1000,), float(i)) for i in range(3)]
+            with cf.ThreadPoolExecutor(3) as run:
+                stats = list(run.map(lambda a: a[0].average(a[1], step=0, weight=1.0, expected_peers=4),
+                                     zip(peers, xs)))
+        finally:
+            finished.set()
+        fut.result(timeout=60)
+    for x in xs:
+        assert torch.equal(x, torch.full((1000,), 1.0))
+    assert all(s["peers"] == stats[0]["peers"] and s["group_size"] == 3 for s in stats)
+    # the documented bound: matchmaking returns within about 2 x matchmaking_time plus RPC deadlines
+    assert max(s["matchmaking_s"] for s in stats) < 4 * mm_time, [s["matchmaking_s"] for s in stats]
 
 
 def test_local_nan_and_bad_tensor_refused_before_sending(make_peers):

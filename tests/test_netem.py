@@ -75,6 +75,7 @@ def test_probes_measure_tbf_caps_and_the_plan_beats_ring(tmp_path):
 
 
 SLOW = [Link(8, 8)] * 4
+MBIT = 1e6 / 8
 SLOW_NUMEL = 5_000_000  # 20 MB: each peer queues ~15 s of data behind its 8 Mbit/s uplink in phase one
 
 
@@ -89,7 +90,7 @@ def test_slow_links_pace_payloads_instead_of_losing_connections(tmp_path):
     try:
         peers = [DrivenPeer(net.exec_args(i), i, str(tmp_path)) for i in range(len(SLOW))]
         averaging = dict(matchmaking_time=3, averaging_timeout=200, probe_interval=0, planner="equal",
-                         replan_interval=600)
+                         replan_interval=600, probe_mb=3)
         first = peers[0].call(op="start", peer=dict(run_id="slowtest", host_maddrs=[f"/ip4/{net.ip(0)}/tcp/0"]),
                               averaging=averaging)
         for p in peers[1:]:
@@ -109,8 +110,13 @@ def test_slow_links_pace_payloads_instead_of_losing_connections(tmp_path):
         assert len({(tuple(a["head"]), a["checksum"]) for a in answers}) == 1, "members disagree"
         assert answers[0]["checksum"] == pytest.approx(float(ref.double().sum()), abs=1e-2)
         assert answers[0]["head"] == pytest.approx(ref[:4].tolist(), abs=1e-5)
+        # probes are paced too: 3 x 3 MiB pushed at once would queue ~9 s unpaced
+        probe = peers[0].call(op="probe")
+        assert probe["failed"] == {} and len(probe["pushed"]) == len(probe["pulled"]) == 3, probe
+        assert probe["queue_s"] < 5.0, probe
+        assert 0.5 * SLOW[0].upload_mbit * MBIT < probe["upload"] < 1.2 * SLOW[0].upload_mbit * MBIT, probe
         print(f"slow round {max(a['allreduce_s'] for a in answers):.1f} s, queueing delay "
-              f"{max(a['queue_s'] for a in answers):.1f} s on {SLOW}")
+              f"{max(a['queue_s'] for a in answers):.1f} s (probes {probe['queue_s']:.1f} s) on {SLOW}")
     finally:
         for p in peers:
             p.close()

@@ -86,3 +86,18 @@ def test_probes_measure_links_and_publish_them(make_peers):
         assert time.monotonic() < deadline, "the probe's estimates were not published"
         time.sleep(0.1)
     assert rec["c"] is True and rec["d"] > 0 and set(rec["p"]) == {peers[0].peer_id, peers[1].peer_id}
+
+
+def test_rounds_measure_upload_and_download_passively(make_peers):
+    """With probes off and nothing declared, one averaging round gives every peer an upload and a
+    download estimate of its own: the bytes its payloads carried over the time they were under way."""
+    peers = make_peers(3, averaging=cfg())
+    before = peers[0].capabilities()["peers"][peers[0].peer_id]
+    assert before["u"] == 0 and before["d"] == 0
+    xs = [torch.full((1_000_000,), float(i)) for i in range(3)]
+    average_all(peers, xs, [1.0, 1.0, 1.0], 0)
+    for x in xs:
+        assert torch.equal(x, torch.full((1_000_000,), 1.0))
+    for p in peers:
+        rec = p.capabilities()["peers"][p.peer_id]
+        assert rec["u"] > 1e6 and rec["d"] > 1e6  # loopback moves well over 1 MB/s

@@ -197,6 +197,22 @@ def test_rate_estimate_takes_a_high_quantile_of_recent_lower_bounds():
     assert RateEstimate(override=5e6).value() == 5e6
 
 
+def test_passive_rounds_raise_the_estimate_but_cannot_talk_it_down():
+    est = RateEstimate(window=4)
+    for t in range(4):
+        est.observe(10e6, 1.0, now=t)  # probes: 10 MB/s
+    for t in range(4, 12):  # rounds that did not load the link fully
+        est.observe(3e6, 1.0, now=t, passive=True)
+    assert est.value(now=12) == 10e6
+    for t in range(12, 16):  # rounds that carried more than the probes saw
+        est.observe(12e6, 1.0, now=t, passive=True)
+    assert est.value(now=16) == 12e6
+    for t in range(16, 20):  # a lasting drop, seen by probes and rounds alike
+        est.observe(1e6, 1.0, now=t)
+        est.observe(1e6, 1.0, now=t, passive=True)
+    assert est.value(now=20) == 1e6
+
+
 def test_capability_records_are_validated():
     rec = CapabilityRecord("a", 1e6, 2e6, {"b": 3e5}, client=True, samples_per_second=7.0, time=1.0)
     assert CapabilityRecord.from_wire("a", rec.to_wire()) == rec

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Awaitable, Callable
 
 import torch
@@ -32,6 +31,7 @@ from dedloc.averaging.group import Group
 from dedloc.averaging.wire import (Header, Kind, ProtocolError, read_error_text, read_header, read_payload_into,
                                    write_error, write_frame)
 from dedloc.errors import AveragingError
+from dedloc.net.bulk import Transfer
 from dedloc.net.rpc import wait_peer_closed
 from dedloc.numerics import all_finite
 
@@ -46,25 +46,19 @@ class RoundStats:
         self.failovers = 0
         self.excluded: dict[str, str] = {}
         self.part_weights: dict[int, float] = {}
-        self.received_bytes = 0
-        self.queue_s = 0.0
-        """The longest queueing delay a payload this member sent saw (write to credit; dedloc.net.bulk)."""
-        self._intervals: list[tuple[float, float]] = []
+        self.sent: list[Transfer] = []
+        """Every payload this member sent (credited), for passive upload measurement."""
+        self.received: list[Transfer] = []
+        """Every payload this member received, for passive download measurement."""
 
-    def received(self, nbytes: int, start: float, end: float) -> None:
-        self.received_bytes += nbytes
-        self._intervals.append((start, end))
+    def add_sent(self, transfer: Transfer | None) -> None:
+        if transfer is not None:
+            self.sent.append(transfer)
 
     @property
-    def receiving_s(self) -> float:
-        """Seconds during which at least one payload was arriving: with ``received_bytes``, a
-        passive measurement of this peer's download (a lower bound: senders may have been slower)."""
-        total, end = 0.0, float("-inf")
-        for a, b in sorted(self._intervals):
-            if b > end:
-                total += b - max(a, end)
-                end = b
-        return total
+    def queue_s(self) -> float:
+        """The longest queueing delay a payload this member sent saw (write to credit; dedloc.net.bulk)."""
+        return max((t.queue_s for t in self.sent), default=0.0)
 
 
 class _Failover:
@@ -141,14 +135,12 @@ class PartitionedRound:
         buffer the caller gives back. Raises ProtocolError for NaN/inf values."""
         s, e = self.bounds[part]
         buf = into if into is not None and self.wire_dtype == torch.float32 else self.pool.take(e - s, self.wire_dtype)
-        start = time.perf_counter()
         try:
-            await read_payload_into(reader, writer, header, buf)
+            self.stats.received.append(await read_payload_into(reader, writer, header, buf))
         except BaseException:
             if buf is not into:
                 self.pool.give(buf)
             raise
-        self.stats.received(buf.numel() * buf.element_size(), start, time.perf_counter())
         data = buf
         if buf.dtype != torch.float32:
             data = self.pool.take(e - s)
@@ -198,9 +190,6 @@ class PartitionedRound:
             raise AveragingError(f"{self._prefix()}: {len(errors)} part(s) could not be averaged: {errors[0]}")
         return self.output
 
-    def _queued(self, delay: float) -> None:
-        self.stats.queue_s = max(self.stats.queue_s, delay)
-
     def _sent(self, j: int) -> None:
         """This member's contribution to part ``j`` is written (or will never be)."""
         self._unsent.discard(j)
@@ -226,7 +215,7 @@ class PartitionedRound:
             async with asyncio.timeout_at(self.result_deadline):
                 reader, writer = await self.open_stream(self._name(j))
                 try:
-                    self._queued(await write_frame(writer, Kind.CONTRIB, self.group.round_id, j, self.weight,
+                    self.stats.add_sent(await write_frame(writer, Kind.CONTRIB, self.group.round_id, j, self.weight,
                                                    self._contribution(j), self.chunk_bytes, reader))
                     self._sent(j)
                     await self._read_result(reader, writer, j, j)
@@ -264,7 +253,7 @@ class PartitionedRound:
         async with asyncio.timeout_at(self.deadline):
             reader, writer = await self.open_stream(self._name(b))
             try:
-                self._queued(await write_frame(writer, Kind.FAILOVER, self.group.round_id, j, self.weight,
+                self.stats.add_sent(await write_frame(writer, Kind.FAILOVER, self.group.round_id, j, self.weight,
                                                self._contribution(j), self.chunk_bytes, reader))
                 await self._read_result(reader, writer, j, b)
             finally:
@@ -321,7 +310,7 @@ class PartitionedRound:
     async def _send_result(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, part: int,
                            weight: float) -> None:
         s, e = self.bounds[part]
-        self._queued(await write_frame(writer, Kind.RESULT, self.group.round_id, part, weight,
+        self.stats.add_sent(await write_frame(writer, Kind.RESULT, self.group.round_id, part, weight,
                                        self._to_wire(self.output[s:e]), self.chunk_bytes, reader))
 
     async def handle(self, peer_id: str, header: Header, reader: asyncio.StreamReader,
@@ -431,4 +420,4 @@ class PartitionedRound:
             t.cancel()
 
 
-__all__ = ["PartitionedRound", "RoundStats", "time"]
+__all__ = ["PartitionedRound", "RoundStats"]

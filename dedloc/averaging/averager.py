@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol
 import torch
 from hivemind.p2p import PeerID
 
-from dedloc.averaging.allreduce import PartitionedRound
+from dedloc.averaging.allreduce import PartitionedRound, RoundStats
 from dedloc.averaging.buffers import BufferPool
 from dedloc.averaging.group import Group, sub_round_id
 from dedloc.averaging.matchmaking import Matchmaker, SharePolicy
@@ -66,15 +66,16 @@ class Averager:
     """One peer's averaging: call ``average`` once per step with that step's tensor."""
 
     def __init__(self, node: Node, config: AveragingConfig, policy: SharePolicy | None = None,
-                 on_received: Callable[[int, float], None] | None = None):
+                 on_round: Callable[[RoundStats], None] | None = None):
         """``policy`` sets the shares of rounds this peer leads (None: the members' declared shares);
-        ``on_received(bytes, seconds)`` is told what each round downloaded, for bandwidth estimates."""
+        ``on_round(stats)`` is told what each round (or subround) sent and received, for bandwidth
+        estimates."""
         self.node, self.config = node, config.validate()
         if config.aggregator_only and node.config.client_mode:
             raise AveragingError("an aggregator-only peer must accept connections (it cannot be in client mode)")
         share = config.share if config.share is not None else (0.0 if node.config.client_mode else 1.0)
         self.matchmaker = Matchmaker(node, config, share, policy)
-        self.on_received = on_received
+        self.on_round = on_round
         self.pool = BufferPool()  # receive buffers and partial sums, reused across rounds
         self.me = node.peer_id.to_base58()
         self.proto = f"dedloc.{node.config.run_id}.allreduce"
@@ -189,7 +190,10 @@ class Averager:
         elif group.strategy == "ring":
             rnd = RingRound(group, me, tensor, weight, self._open, timeout, self.config.chunk_bytes)
             self._register(group.round_id, rnd, timeout + ROUND_GRACE)
-            output, total = await rnd.run(), group.total_weight
+            try:
+                output, total = await rnd.run(), group.total_weight
+            finally:
+                self._observed(rnd.stats, stats)
         elif group.subgroups:
             output, total = await self._hierarchical(group, me, tensor, weight, timeout, stats)
         else:
@@ -212,12 +216,18 @@ class Averager:
         finally:
             stats["failovers"] += rnd.stats.failovers
             stats["excluded"].update(rnd.stats.excluded)
-            stats["queue_s"] = max(stats.get("queue_s", 0.0), rnd.stats.queue_s)
-            if self.on_received is not None and rnd.stats.receiving_s > 0:
-                self.on_received(rnd.stats.received_bytes, rnd.stats.receiving_s)
+            self._observed(rnd.stats, stats)
         weights = rnd.stats.part_weights
         total = min(weights.values()) if weights else weight
         return output, total
+
+    def _observed(self, rnd: RoundStats, stats: dict[str, Any]) -> None:
+        stats["queue_s"] = max(stats.get("queue_s", 0.0), rnd.queue_s)
+        if self.on_round is not None:
+            try:
+                self.on_round(rnd)
+            except Exception as e:  # a measurement must never fail a round
+                logger.debug(f"round observer failed: {e!r}")
 
     async def _hierarchical(self, group: Group, me: int, local: torch.Tensor, weight: float, timeout: float,
                             stats: dict[str, Any]) -> tuple[torch.Tensor, float]:

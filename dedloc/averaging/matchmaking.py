@@ -171,7 +171,7 @@ class Matchmaker:
                 logger.info(f"step {step}: stepping down as leader for {smaller[0]}")
                 return await self._run_follow(step, me, smaller, loop.time() + 2 * self.config.matchmaking_time,
                                               numel=numel)
-            if set(ready) <= set(state.members) and (not expected or len(state.members) >= expected):
+            if set(ready) - unreachable <= set(state.members) and (not expected or len(state.members) >= expected):
                 break
             await asyncio.sleep(POLL)
         members = tuple(sorted(state.members.values(), key=lambda m: m.peer_id))
@@ -261,7 +261,10 @@ class Matchmaker:
                 rest = [c for c in candidates if c not in tried and c != self.me]
                 if not rest or rest[0] > self.me:
                     if not self.client:
-                        return await self._run_lead(step, me, None, deadline, numel)
+                        # close while the others, who gave up on the same leader, still wait for an answer
+                        t = self.config.matchmaking_time
+                        close = min(deadline - t / 2, loop.time() + t)
+                        return await self._run_lead(step, me, None, close, numel)
                     raise MatchmakingError(f"step {step}: no reachable leader among {candidates}") from None
                 leader = rest[0]
                 continue

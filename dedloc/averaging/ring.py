@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from dedloc.averaging.allreduce import OpenStream
+from dedloc.averaging.allreduce import OpenStream, RoundStats
 from dedloc.averaging.group import Group
 from dedloc.averaging.wire import Header, Kind, read_header, read_payload_into, write_frame
 from dedloc.net.rpc import wait_peer_closed
@@ -64,6 +64,7 @@ class RingRound:
         self._out: asyncio.Future = loop.create_future()  # (reader, writer) towards the successor
         self._done = asyncio.Event()  # set when this member's result is final
         self._received = asyncio.Event()  # set when everything from the predecessor has arrived
+        self.stats = RoundStats()
 
     def _peer(self, i: int) -> str:
         return self.group.members[i].peer_id
@@ -129,11 +130,11 @@ class RingRound:
                 if reduce:
                     if tmp is None:
                         tmp = torch.empty(max(b - a for a, b in self.bounds), dtype=torch.float32)
-                    await read_payload_into(reader, in_writer, header, tmp[:e2 - s2])
+                    self.stats.received.append(await read_payload_into(reader, in_writer, header, tmp[:e2 - s2]))
                     self.buf[s2:e2] += tmp[:e2 - s2]
                 else:  # gather: the chunk is final, read it in place
-                    await read_payload_into(reader, in_writer, header, self.buf[s2:e2])
-                await send
+                    self.stats.received.append(await read_payload_into(reader, in_writer, header, self.buf[s2:e2]))
+                self.stats.add_sent(await send)
             # everything arrived: close our receiving side now, then let the successor close our
             # sending side once it has read all we wrote (closing it first could drop the tail)
             self._received.set()

@@ -23,7 +23,8 @@ from dedloc.errors import ProtocolError
 from dedloc.net import bulk
 
 MAGIC = b"DDLC"
-VERSION = 3  # 2: members carry a "fetch" flag, ready records the vector size; 3: payloads are credit-paced
+VERSION = 4  # 2: members carry a "fetch" flag, ready records the vector size; 3: payloads are credit-paced;
+# 4: probes are credit-paced too
 HEADER = struct.Struct("<4sHBB16sIdQ")
 MAX_ERROR_BYTES = 4096
 
@@ -102,18 +103,33 @@ def _bytes_view(t: torch.Tensor) -> np.ndarray:
 
 async def write_frame(writer: asyncio.StreamWriter, kind: Kind, round_id: bytes, part: int = 0,
                       weight: float = 0.0, tensor: torch.Tensor | None = None, chunk_bytes: int = 4 << 20,
-                      reader: asyncio.StreamReader | None = None) -> float:
+                      reader: asyncio.StreamReader | None = None) -> bulk.Transfer | None:
     """Write one frame; a tensor (CPU, contiguous) goes as raw bytes in large chunks, paced by the
     receiver's credits read from ``reader`` (dedloc.net.bulk). Returns once the payload is credited,
-    with the queueing delay the payload saw (seconds; 0 without a payload)."""
+    with its timing (None without a payload)."""
     if tensor is None:
         writer.write(pack_header(kind, round_id, part, weight))
         await writer.drain()
-        return 0.0
+        return None
     if reader is None:
         raise ValueError("a frame with a payload needs the stream's reader for credits")
     writer.write(pack_header(kind, round_id, part, weight, tensor.numel(), tensor.dtype))
-    return await bulk.send_paced(writer, reader, memoryview(_bytes_view(tensor)), chunk_bytes)
+    try:
+        return await bulk.send_paced(writer, reader, memoryview(_bytes_view(tensor)), chunk_bytes)
+    except bulk.ReceiverAnswered as e:
+        why = await _refusal(reader)
+        raise ProtocolError(f"the receiver refused the payload: {why}" if why else str(e)) from None
+
+
+async def _refusal(reader: asyncio.StreamReader) -> str | None:
+    """The text of the ERROR frame a receiver answered with instead of credits, if that is what it sent."""
+    try:
+        header = await asyncio.wait_for(read_header(reader), 5)
+        if header.kind == Kind.ERROR:
+            return await asyncio.wait_for(read_error_text(reader, header), 5)
+    except (ProtocolError, ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+        pass
+    return None
 
 
 async def write_error(writer: asyncio.StreamWriter, round_id: bytes, message: str) -> None:
@@ -128,13 +144,13 @@ async def read_error_text(reader: asyncio.StreamReader, header: Header) -> str:
 
 
 async def read_payload_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None, header: Header,
-                            out: torch.Tensor) -> None:
+                            out: torch.Tensor) -> bulk.Transfer:
     """Read the frame's payload into ``out`` (sending credits through ``writer``); the header must
-    match out's numel and dtype, else ProtocolError and nothing is read."""
+    match out's numel and dtype, else ProtocolError and nothing is read. Returns its timing."""
     if header.dtype != out.dtype:
         raise ProtocolError(f"dtype mismatch: expected {out.dtype}, got {header.dtype}")
     if header.numel != out.numel():
         raise ProtocolError(f"size mismatch: expected {out.numel()} elements, got {header.numel}")
     if not out.is_contiguous():
         raise ValueError("read_payload_into needs a contiguous tensor")
-    await bulk.recv_into(reader, writer, memoryview(_bytes_view(out)))
+    return await bulk.recv_into(reader, writer, memoryview(_bytes_view(out)))

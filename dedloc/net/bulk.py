@@ -26,6 +26,8 @@ import collections
 import os
 import socket
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 from dedloc.errors import ProtocolError
 
@@ -37,6 +39,32 @@ MAX_WINDOW = 64 << 20
 FIRST_WINDOW = 8 * UNIT
 RATE_SPAN = 2.0
 ZEROCOPY_MIN = 1 << 20
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One payload's timing (``time.monotonic``): from its first byte written (sender) or read
+    (receiver) to its last byte credited (sender) or read (receiver)."""
+
+    nbytes: int
+    start: float
+    end: float
+    queue_s: float = 0.0
+    """Sender only: the longest time from writing a chunk to its last credit (queueing delay)."""
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+def busy_seconds(transfers: "list[Transfer]") -> float:
+    """Seconds during which at least one of ``transfers`` was under way (the union of their spans)."""
+    total, end = 0.0, float("-inf")
+    for t in sorted(transfers, key=lambda t: t.start):
+        if t.end > end:
+            total += t.end - max(t.start, end)
+            end = t.end
+    return total
 
 
 def credits_for(nbytes: int) -> int:
@@ -62,27 +90,36 @@ class _Window:
             self.size = int(min(MAX_WINDOW, max(MIN_WINDOW, rate * TARGET_DELAY)))
 
 
+class ReceiverAnswered(ProtocolError):
+    """The receiver wrote something other than credits before reading the whole payload (usually
+    a refusal). What it wrote is left unread on the stream, so the caller can read the answer."""
+
+
 async def _take_credits(reader: asyncio.StreamReader, limit: int) -> int:
     """Read 1..limit credit bytes (waits for at least one)."""
     data = await reader.read(limit)
     if not data:
         raise asyncio.IncompleteReadError(b"", limit)
     if data.count(CREDIT) != len(data):
-        raise ProtocolError("the receiver answered before reading the whole payload")
+        k = len(data) - len(data.lstrip(bytes([CREDIT])))
+        buffer = getattr(reader, "_buffer", None)
+        if isinstance(buffer, bytearray):  # put the answer back for the caller (asyncio internals, see _socket_of)
+            buffer[:0] = data[k:]
+        raise ReceiverAnswered("the receiver answered before reading the whole payload")
     return len(data)
 
 
 async def send_paced(writer: asyncio.StreamWriter, reader: asyncio.StreamReader, view: memoryview,
-                     chunk_bytes: int) -> float:
-    """Write ``view`` (bytes) paced by the receiver's credits; returns once all of it is credited.
-
-    Returns the queueing delay seen: the longest time from writing a chunk to its last credit."""
+                     chunk_bytes: int) -> Transfer:
+    """Write ``view`` (bytes) paced by the receiver's credits; returns once all of it is credited,
+    with its timing and the queueing delay it saw."""
     total = len(view)
     need = credits_for(total)
     window = _Window()
     written: collections.deque[tuple[int, float]] = collections.deque()  # (end offset, when written)
     sent = got = 0
     delay = 0.0
+    start = time.monotonic()
 
     async def take() -> None:
         nonlocal got, delay
@@ -105,7 +142,7 @@ async def send_paced(writer: asyncio.StreamWriter, reader: asyncio.StreamReader,
         await writer.drain()
     while got < need:
         await take()
-    return delay
+    return Transfer(total, start, time.monotonic(), delay)
 
 
 def _socket_of(reader: asyncio.StreamReader):
@@ -123,10 +160,15 @@ def _socket_of(reader: asyncio.StreamReader):
     return transport, sock
 
 
-async def recv_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None, view: memoryview) -> None:
-    """Fill ``view`` (writable bytes) from the stream, sending credits through ``writer`` (None: none)."""
+async def recv_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None, view: memoryview,
+                    on_progress: Callable[[int], None] | None = None) -> Transfer:
+    """Fill ``view`` (writable bytes) from the stream, sending credits through ``writer`` (None: none).
+
+    ``on_progress(bytes so far)`` is called after every read. Returns the payload's timing, from
+    the call (the header that precedes a payload has just been read) to its last byte."""
     total = len(view)
     done = credited = 0
+    start = time.monotonic()
 
     def progress(n: int) -> None:
         nonlocal done, credited
@@ -135,6 +177,8 @@ async def recv_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter |
         if writer is not None and units > credited:
             writer.write(bytes([CREDIT]) * (units - credited))
             credited = units
+        if on_progress is not None:
+            on_progress(done)
 
     transport, sock = _socket_of(reader) if total >= ZEROCOPY_MIN else (None, None)
     if transport is None:
@@ -144,7 +188,7 @@ async def recv_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter |
                 raise asyncio.IncompleteReadError(b"", total - done)  # expected: the bytes still missing
             view[done:done + len(data)] = data
             progress(len(data))
-        return
+        return Transfer(total, start, time.monotonic())
     exc = reader.exception()
     if exc is not None:
         raise exc
@@ -155,7 +199,7 @@ async def recv_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter |
         del buffered[:n]
         progress(n)
     if done == total:
-        return
+        return Transfer(total, start, time.monotonic())
     if reader.at_eof():
         raise asyncio.IncompleteReadError(b"", total - done)  # expected: the bytes still missing
     loop = asyncio.get_running_loop()
@@ -172,3 +216,4 @@ async def recv_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter |
     finally:
         reader._paused = False  # noqa: SLF001: the reader's own pause (if any) ended with its buffer
         transport.resume_reading()
+    return Transfer(total, start, time.monotonic())

@@ -18,9 +18,11 @@ import random
 import statistics
 import time
 
+from dedloc.averaging.allreduce import RoundStats
 from dedloc.averaging.group import Member
 from dedloc.config import AveragingConfig
 from dedloc.errors import ConfigError
+from dedloc.net.bulk import busy_seconds
 from dedloc.net.node import Node
 from dedloc.planning import lp
 from dedloc.planning.estimate import LinkEstimates
@@ -70,9 +72,14 @@ class Planner:
                                 self.links.pair_values(), self.node.config.client_mode, self.relayed,
                                 self.config.aggregator_only, self.samples_per_second, time.time())
 
-    def observe_round(self, received_bytes: float, seconds: float) -> None:
-        """Passive measurement: what this peer received in one round, and over how long."""
-        self.links.download.observe(received_bytes, seconds)
+    def observe_round(self, stats: RoundStats) -> None:
+        """Passive measurement from one averaging round: the bytes this peer sent (received) over
+        the time at least one of its payloads was being sent (received). Payloads under the
+        estimator's minimum size are left out: their time is mostly latency."""
+        for estimate, transfers in ((self.links.upload, stats.sent), (self.links.download, stats.received)):
+            big = [t for t in transfers if t.nbytes >= estimate.min_bytes]
+            if big:
+                estimate.observe(sum(t.nbytes for t in big), busy_seconds(big), passive=True)
 
     async def probe_now(self, peers: list[str] | None = None) -> ProbeResult | None:
         """Probe ``peers`` (default: well-connected and random reachable ones) and publish the new estimates."""

@@ -2,7 +2,9 @@
 
 A probe is one stream: the prober sends ``{v, dir, n}``; for ``push`` it then streams ``n``
 bytes and the probed peer answers with the seconds between the first and the last byte it
-received; for ``pull`` the probed peer streams ``n`` bytes and the prober times them. Timing at
+received; for ``pull`` the probed peer streams ``n`` bytes and the prober times them. The bytes
+are paced by the receiver's credits like every payload (dedloc.net.bulk), so a probe on a slow
+uplink never queues more than about a second of data in front of other traffic. Timing at
 the receiving end measures the path, not the sender's buffers. Probes to several peers run at
 once, so their sum bounds this peer's own uplink or downlink rather than the slowest path.
 
@@ -21,14 +23,13 @@ from hivemind.p2p import PeerID
 
 from dedloc.averaging.wire import VERSION
 from dedloc.errors import ProtocolError
-from dedloc.net import rpc
+from dedloc.net import bulk, rpc
 from dedloc.net.node import Node
 
 logger = logging.getLogger(__name__)
 MAX_PROBE_BYTES = 64 << 20
 MAX_SERVED = 2
 CHUNK = 1 << 20
-_ZEROS = bytes(CHUNK)
 
 
 @dataclass
@@ -40,36 +41,30 @@ class ProbeResult:
     upload: float = 0.0
     download: float = 0.0
     failed: dict[str, str] = field(default_factory=dict)
+    queue_s: float = 0.0
+    """The longest queueing delay a pushed probe saw (write to credit; dedloc.net.bulk)."""
 
 
-async def _send(writer: asyncio.StreamWriter, n: int) -> None:
-    view = memoryview(_ZEROS)
-    while n > 0:
-        k = min(n, CHUNK)
-        writer.write(view[:k])
-        await writer.drain()
-        n -= k
+Trace = list[tuple[float, int]]
 
 
-async def _receive(reader: asyncio.StreamReader, n: int, trace: list[tuple[float, int]] | None = None) -> float:
-    """Read ``n`` bytes; seconds from the first byte to the last. ``trace`` gets (time, bytes so far)."""
-    first, got = None, 0
-    while got < n:
-        data = await reader.read(min(n - got, CHUNK))
-        if not data:
-            raise ConnectionError("stream ended early")
-        now = time.perf_counter()
-        if first is None:
-            first = now
-            if trace is not None:
-                trace.append((now, 0))
-        got += len(data)
-        if trace is not None:
-            trace.append((now, got))
-    return time.perf_counter() - first
+async def _send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> float:
+    """Write ``n`` paced bytes; returns the queueing delay they saw."""
+    return (await bulk.send_paced(writer, reader, memoryview(bytes(n)), CHUNK)).queue_s
 
 
-def _bytes_at(trace: list[tuple[float, int]], t: float) -> float:
+async def _receive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int,
+                   trace: Trace | None = None) -> float:
+    """Read ``n`` paced bytes; seconds from the first byte to the last. ``trace`` gets (time, bytes so far)."""
+    trace = [] if trace is None else trace
+    await bulk.recv_into(reader, writer, memoryview(bytearray(n)),
+                         on_progress=lambda done: trace.append((time.perf_counter(), done)))
+    (t0, b0), (t1, _) = trace[0], trace[-1]
+    # the first read's bytes arrived before the clock started: time only the rest
+    return (t1 - t0) * n / (n - b0) if t1 > t0 and b0 < n else max(t1 - t0, 1e-6)
+
+
+def _bytes_at(trace: Trace, t: float) -> float:
     """Bytes a stream had received at time ``t`` (linear between samples)."""
     prev_t, prev_b = trace[0]
     for tt, b in trace:
@@ -79,7 +74,7 @@ def _bytes_at(trace: list[tuple[float, int]], t: float) -> float:
     return trace[-1][1]
 
 
-def concurrent_rate(traces: list[list[tuple[float, int]]]) -> float | None:
+def concurrent_rate(traces: list[Trace]) -> float | None:
     """Total bytes/s while every stream was receiving at once (None if that window is too short).
 
     Streams from slow and fast peers finish at different times; only the window in which all
@@ -120,9 +115,9 @@ class ProbeServer:
                 await rpc.write_message(writer, {"ok": True})
                 async with asyncio.timeout(120):
                     if req["dir"] == "push":
-                        await rpc.write_message(writer, {"s": await _receive(reader, req["n"])})
+                        await rpc.write_message(writer, {"s": await _receive(reader, writer, req["n"])})
                     else:
-                        await _send(writer, req["n"])
+                        await _send(reader, writer, req["n"])
                     await rpc.wait_peer_closed(reader, 60)  # we wrote last: the prober closes first
         except ProtocolError as e:
             logger.warning(f"refused a probe from {peer}: {e}")
@@ -132,8 +127,9 @@ class ProbeServer:
             writer.close()
 
 
-async def _one(node: Node, proto: str, peer: str, direction: str, n: int,
-               trace: list[tuple[float, int]] | None = None) -> float:
+async def _one(node: Node, proto: str, peer: str, direction: str, n: int, trace: Trace,
+               result: ProbeResult) -> float:
+    """One probe stream; the seconds the receiving end timed."""
     _, reader, writer = await node.p2p.call_binary_stream_handler(PeerID.from_base58(peer), proto)
     try:
         await rpc.write_message(writer, {"v": VERSION, "dir": direction, "n": n})
@@ -141,13 +137,13 @@ async def _one(node: Node, proto: str, peer: str, direction: str, n: int,
         if not isinstance(head, dict) or not head.get("ok"):
             raise ProtocolError("busy" if isinstance(head, dict) and head.get("busy") else f"refused: {head!r}")
         if direction == "push":
-            await _send(writer, n)
+            result.queue_s = max(result.queue_s, await _send(reader, writer, n))
             answer = await rpc.read_message(reader)
             seconds = answer.get("s") if isinstance(answer, dict) else None
             if not isinstance(seconds, float) or not 0 < seconds < 3600:
                 raise ProtocolError(f"malformed probe answer {answer!r}")
             return seconds
-        return await _receive(reader, n, trace)
+        return await _receive(reader, writer, n, trace)
     finally:
         writer.close()
 
@@ -159,8 +155,9 @@ async def probe(node: Node, push_to: list[str], pull_from: list[str], nbytes: in
     result = ProbeResult()
     for direction, rates, peers in (("push", result.pushed, push_to), ("pull", result.pulled, pull_from)):
         start = time.perf_counter()
-        traces: list[list[tuple[float, int]]] = [[] for _ in peers]
-        outcomes = await asyncio.gather(*(asyncio.wait_for(_one(node, proto, p, direction, nbytes, tr), timeout)
+        traces: list[Trace] = [[] for _ in peers]
+        outcomes = await asyncio.gather(*(asyncio.wait_for(_one(node, proto, p, direction, nbytes, tr, result),
+                                                           timeout)
                                           for p, tr in zip(peers, traces)), return_exceptions=True)
         wall = time.perf_counter() - start
         done = 0
@@ -170,7 +167,8 @@ async def probe(node: Node, push_to: list[str], pull_from: list[str], nbytes: in
             else:
                 rates[peer] = nbytes / out
                 done += 1
-        total = done * nbytes / wall if done else 0.0
+        # lower bounds of our own link: all streams over the whole wall time, the fastest one alone
+        total = max([done * nbytes / wall] + list(rates.values())) if done else 0.0
         if direction == "pull" and done:
             total = max(total, concurrent_rate([tr for tr, out in zip(traces, outcomes)
                                                 if not isinstance(out, BaseException)]) or 0.0)
