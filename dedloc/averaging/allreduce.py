@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Awaitable, Callable
 
 import torch
@@ -31,7 +32,7 @@ from dedloc.averaging.group import Group
 from dedloc.averaging.wire import (Header, Kind, ProtocolError, read_error_text, read_header, read_payload_into,
                                    write_error, write_frame)
 from dedloc.errors import AveragingError
-from dedloc.net.bulk import Transfer
+from dedloc.net.bulk import Transfer, busy_seconds
 from dedloc.net.rpc import wait_peer_closed
 from dedloc.numerics import all_finite
 
@@ -54,6 +55,15 @@ class RoundStats:
     def add_sent(self, transfer: Transfer | None) -> None:
         if transfer is not None:
             self.sent.append(transfer)
+
+    def timeline(self, t0: float) -> str:
+        """One line for the DEBUG log: what moved, and when (seconds since ``t0``)."""
+        def span(ts: list[Transfer]) -> str:
+            if not ts:
+                return "nothing"
+            return (f"{sum(t.nbytes for t in ts) / 1e6:.1f} MB in {len(ts)} payloads, {busy_seconds(ts):.2f} s busy, "
+                    f"{min(t.start for t in ts) - t0:.2f}..{max(t.end for t in ts) - t0:.2f} s")
+        return f"sent {span(self.sent)}; received {span(self.received)}"
 
     @property
     def queue_s(self) -> float:
@@ -83,6 +93,8 @@ class PartitionedRound:
         self.stats = RoundStats()
         loop = asyncio.get_running_loop()
         start = loop.time()
+        self._t0 = time.monotonic()
+        self._reduced_at = 0.0
         self.reduce_deadline = start + 0.4 * timeout
         self.result_deadline = start + 0.6 * timeout
         self.failover_deadline = start + 0.85 * timeout
@@ -185,6 +197,8 @@ class PartitionedRound:
         finally:
             for t in tasks:
                 t.cancel()
+        reduced = f"; own part reduced at {self._reduced_at - self._t0:.2f} s" if self._reduced_at else ""
+        logger.debug(f"{self._prefix()}: {self.stats.timeline(self._t0)}{reduced}")
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise AveragingError(f"{self._prefix()}: {len(errors)} part(s) could not be averaged: {errors[0]}")
@@ -215,8 +229,9 @@ class PartitionedRound:
             async with asyncio.timeout_at(self.result_deadline):
                 reader, writer = await self.open_stream(self._name(j))
                 try:
-                    self.stats.add_sent(await write_frame(writer, Kind.CONTRIB, self.group.round_id, j, self.weight,
-                                                   self._contribution(j), self.chunk_bytes, reader))
+                    self.stats.add_sent(await write_frame(writer, Kind.CONTRIB, self.group.round_id, j,
+                                                          self.weight, self._contribution(j), self.chunk_bytes,
+                                                          reader))
                     self._sent(j)
                     await self._read_result(reader, writer, j, j)
                     self._have[j].set_result(True)
@@ -254,7 +269,7 @@ class PartitionedRound:
             reader, writer = await self.open_stream(self._name(b))
             try:
                 self.stats.add_sent(await write_frame(writer, Kind.FAILOVER, self.group.round_id, j, self.weight,
-                                               self._contribution(j), self.chunk_bytes, reader))
+                                                      self._contribution(j), self.chunk_bytes, reader))
                 await self._read_result(reader, writer, j, b)
             finally:
                 writer.close()
@@ -266,6 +281,7 @@ class PartitionedRound:
             if self.weight > 0:
                 self.acc.add(self.me, self.weight, self.local[s:e])
             await self.acc.wait(self.reduce_deadline)
+            self._reduced_at = time.monotonic()
             mean = self.acc.finish()
             self.output[s:e] = self._rounded(mean)
             self.pool.give(mean)
@@ -311,7 +327,7 @@ class PartitionedRound:
                            weight: float) -> None:
         s, e = self.bounds[part]
         self.stats.add_sent(await write_frame(writer, Kind.RESULT, self.group.round_id, part, weight,
-                                       self._to_wire(self.output[s:e]), self.chunk_bytes, reader))
+                                              self._to_wire(self.output[s:e]), self.chunk_bytes, reader))
 
     async def handle(self, peer_id: str, header: Header, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> bool:
