@@ -114,6 +114,13 @@ class PartitionedRound:
         self.undelivered = {k for k, m in enumerate(group.members) if m.fetch and k != me} \
             if me in self.aggregators else set()
         """Members that have not yet received this member's part (a leaving peer waits for them)."""
+        self.served = asyncio.Event()
+        """Set once this member's part reached every member, or at the result deadline (after it,
+        members fetch from the backup): from then on this member sends nothing more in this round."""
+        if not self.undelivered:
+            self.served.set()
+        else:
+            loop.call_at(self.result_deadline, self.served.set)
         self._sent_all = asyncio.Event()
         if not self._unsent:
             self._sent_all.set()
@@ -368,7 +375,7 @@ class PartitionedRound:
                 if is_backup:  # the backup writes last here (its ACK)
                     try:
                         await self._send_result(reader, writer, self.me, self.acc.total_weight)
-                        self.undelivered.discard(k)
+                        self._delivered(k)
                         acked = (await read_header(reader)).kind == Kind.ACK
                     except (ConnectionError, asyncio.IncompleteReadError):
                         acked = True  # the backup is gone: it cannot serve a stale failover
@@ -379,13 +386,18 @@ class PartitionedRound:
                     await write_error(writer, self.group.round_id, "backup did not confirm the result; fail over")
                     return True
                 await self._send_result(reader, writer, self.me, self.acc.total_weight)
-                self.undelivered.discard(k)
+                self._delivered(k)
                 return True
         except Exception as e:
             if is_backup and not self._backup_ok.done():
                 self._backup_ok.set_result(False)
             logger.debug(f"{self._prefix()}: could not deliver part {self.me} to {self._name(k)}: {e!r}")
             return False
+
+    def _delivered(self, k: int) -> None:
+        self.undelivered.discard(k)
+        if not self.undelivered:
+            self.served.set()
 
     # ---- backup side -------------------------------------------------------------------------
     def _failover_state(self, j: int) -> _Failover:

@@ -44,10 +44,9 @@ class _Round(Protocol):
 class _Broadcast:
     """A subgroup representative's final result, fetched by the subgroup's members."""
 
-    def __init__(self, members: set[str]):
-        self.members = members
+    def __init__(self, members: set[str], chunk_bytes: int):
+        self.members, self.chunk_bytes = members, chunk_bytes
         self.result: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.chunk_bytes = 4 << 20
 
     async def handle(self, peer_id: str, header: Header, reader, writer) -> bool:
         if peer_id not in self.members or header.kind != Kind.FETCH:
@@ -82,6 +81,10 @@ class Averager:
         self._rounds: dict[bytes, _Round] = {}
         self._arrivals: dict[bytes, asyncio.Event] = {}
         self._serving = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._reporters: set[asyncio.Task] = set()
+        """Passive measurements waiting for their round to finish sending (bounded by its deadline)."""
 
     async def start(self) -> None:
         await self.matchmaker.start()
@@ -105,28 +108,37 @@ class Averager:
 
     async def drain(self, timeout: float) -> bool:
         """Wait (bounded) until no stream is being served and every round this peer aggregated has
-        delivered its part to every member: a peer leaving right after its step still serves
-        slower members. True if that happened in time."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        delivered its part to every member (or passed its result deadline, after which members
+        fetch from the backup): a peer leaving right after its step still serves slower members.
+        True if that happened in time."""
+        async def settled() -> None:
+            while True:
+                pending = [r.served.wait() for r in self._rounds.values() if isinstance(r, PartitionedRound)
+                           and not r.served.is_set()]
+                await asyncio.gather(self._idle.wait(), *pending)
+                if self._idle.is_set() and all(r.served.is_set() for r in self._rounds.values()
+                                               if isinstance(r, PartitionedRound)):
+                    return
 
-        def busy() -> bool:
-            now = loop.time()  # past a round's result deadline, members fetch from the backup instead
-            return self._serving > 0 or any(getattr(r, "undelivered", None) and now < r.result_deadline
-                                            for r in self._rounds.values())
-
-        while busy() and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        if busy():
+        try:
+            await asyncio.wait_for(settled(), timeout)
+            await asyncio.gather(*self._reporters, return_exceptions=True)  # served: they finish at once
+            return True
+        except asyncio.TimeoutError:
+            for task in self._reporters:
+                task.cancel()
             logger.info(f"left while {self._serving} stream(s) were still being served (gave up after {timeout:.0f} s)")
-        return not busy()
+            return False
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._serving += 1
+        self._idle.clear()
         try:
             await self._serve_stream(info, reader, writer)
         finally:
             self._serving -= 1
+            if not self._serving:
+                self._idle.set()
 
     async def _serve_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = info.peer_id.to_base58()
@@ -216,18 +228,33 @@ class Averager:
         finally:
             stats["failovers"] += rnd.stats.failovers
             stats["excluded"].update(rnd.stats.excluded)
-            self._observed(rnd.stats, stats)
+            self._observed(rnd.stats, stats, rnd.served)
         weights = rnd.stats.part_weights
         total = min(weights.values()) if weights else weight
         return output, total
 
-    def _observed(self, rnd: RoundStats, stats: dict[str, Any]) -> None:
+    def _observed(self, rnd: RoundStats, stats: dict[str, Any], served: asyncio.Event | None = None) -> None:
+        """Record the round's queueing delay now; tell ``on_round`` once this member has sent all it
+        will send in the round (``served``: an aggregator's results may still be going out)."""
         stats["queue_s"] = max(stats.get("queue_s", 0.0), rnd.queue_s)
-        if self.on_round is not None:
-            try:
-                self.on_round(rnd)
-            except Exception as e:  # a measurement must never fail a round
-                logger.debug(f"round observer failed: {e!r}")
+        if self.on_round is None:
+            return
+        if served is None or served.is_set():
+            self._report(rnd)
+        else:  # served is set by the round's result deadline at the latest
+            task = asyncio.create_task(self._report_when(served, rnd))
+            self._reporters.add(task)
+            task.add_done_callback(self._reporters.discard)
+
+    async def _report_when(self, served: asyncio.Event, rnd: RoundStats) -> None:
+        await served.wait()
+        self._report(rnd)
+
+    def _report(self, rnd: RoundStats) -> None:
+        try:
+            self.on_round(rnd)
+        except Exception as e:  # a measurement must never fail a round
+            logger.debug(f"round observer failed: {e!r}")
 
     async def _hierarchical(self, group: Group, me: int, local: torch.Tensor, weight: float, timeout: float,
                             stats: dict[str, Any]) -> tuple[torch.Tensor, float]:
@@ -238,7 +265,8 @@ class Averager:
         final_id = sub_round_id(group.round_id, f"final{k}")
         broadcast = None
         if me == rep:
-            broadcast = _Broadcast({group.members[i].peer_id for i in group.subgroups[k]} - {self.me})
+            broadcast = _Broadcast({group.members[i].peer_id for i in group.subgroups[k]} - {self.me},
+                                   self.config.chunk_bytes)
             self._register(final_id, broadcast, timeout + ROUND_GRACE)
         try:
             sub_out, total = await self._partitioned(sub, sub.index(self.me), local, weight, timeout / 3, stats)
