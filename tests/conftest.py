@@ -1,3 +1,4 @@
+import concurrent.futures as cf
 import os
 import time
 import uuid
@@ -44,8 +45,8 @@ def make_peers():
 
     yield make
     pids = [p.runtime.pid for p in created]
-    for p in created:
-        p.close()
+    with cf.ThreadPoolExecutor(max(1, len(created))) as pool:  # peers leave at once, as after a run
+        list(pool.map(lambda p: p.close(), created))
     deadline = time.monotonic() + 10  # SIGKILLed processes take a moment to finish exiting
     while sessions_alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -364,6 +364,7 @@ class PartitionedRound:
         except ConnectionError:
             if is_backup and not self._backup_ok.done():
                 self._backup_ok.set_result(True)  # a backup that left holds no copy and serves no failover
+            self._delivered(k)  # its stream is gone: nothing more can be delivered to it here
             return False
         try:
             async with asyncio.timeout_at(self.result_deadline):
