@@ -109,3 +109,24 @@ def test_receiver_answering_instead_of_crediting_is_a_protocol_error():
         wb.close()
 
     asyncio.run(go())
+
+
+def test_credits_for_bytes_not_yet_sent_are_a_protocol_error():
+    """A receiver that credits ahead (to make the sender flood the link) is caught, not believed."""
+    async def go():
+        (ra, wa), (rb, wb) = await pair()
+        wb.write(bytes([bulk.CREDIT]) * bulk.credits_for(8 << 20))
+        await wb.drain()
+
+        async def discard():
+            while await rb.read(1 << 20):
+                pass
+
+        sink = asyncio.create_task(discard())
+        with pytest.raises(ProtocolError, match="not sent yet"):
+            await asyncio.wait_for(bulk.send_paced(wa, ra, memoryview(bytes(8 << 20)), 1 << 20), 10)
+        wa.close()
+        await asyncio.wait_for(sink, 10)
+        wb.close()
+
+    asyncio.run(go())

@@ -108,6 +108,8 @@ def run_config(name: str, specs: list[Spec], args, logdir: str) -> dict:
         plan_info = None
         step = 0
         for strategy, changes in STRATEGIES.items():
+            if strategy not in args.strategies:
+                continue
             members = trainers if strategy == "ring" else list(range(len(specs)))
             for p in procs:
                 p.call(op="reconfigure", changes=changes)
@@ -141,14 +143,18 @@ def run_config(name: str, specs: list[Spec], args, logdir: str) -> dict:
         truth = plan_peers(specs, ids)
         ideal = lp.choose(truth, nbytes)
         med = {k: statistics.median(v) for k, v in results.items()}
-        order = {pid: i for i, pid in enumerate(ids)}
+
+        def sec(key: str) -> float | None:
+            return round(med[key], 2) if key in med else None
+
         return {
             "config": name, "peers": len(specs), "numel": args.numel, "rounds": args.rounds,
-            "ring_s": round(med["ring"], 2), "butterfly_s": round(med["butterfly"], 2),
-            "bandwidth_share_s": round(med["bandwidth_share"], 2), "dedloc_s": round(med["dedloc"], 2),
+            "ring_s": sec("ring"), "butterfly_s": sec("butterfly"),
+            "bandwidth_share_s": sec("bandwidth_share"), "dedloc_s": sec("dedloc"),
             "predicted_s": None if predicted is None else round(predicted, 2),
-            "speedup_vs_ring": round(med["ring"] / med["dedloc"], 2),
-            "measured_over_predicted": None if predicted is None else round(med["dedloc"] / predicted, 2),
+            "speedup_vs_ring": round(med["ring"] / med["dedloc"], 2) if "ring" in med and "dedloc" in med else None,
+            "measured_over_predicted": None if predicted is None or "dedloc" not in med
+            else round(med["dedloc"] / predicted, 2),
             "plan_strategy": leader_plan["strategy"] if leader_plan else None,
             "plan_shares": [round(plan_info.get(pid, 0.0), 3) for pid in ids] if plan_info else None,
             "ideal_strategy": ideal.strategy, "ideal_predicted_s": round(ideal.predicted_s, 2),
@@ -157,7 +163,7 @@ def run_config(name: str, specs: list[Spec], args, logdir: str) -> dict:
             "model_butterfly_s": round(lp.plan_with(truth, lp.equal_shares(truth), nbytes).predicted_s, 2),
             "model_bandwidth_share_s": round(lp.plan_with(truth, lp.bandwidth_shares(truth), nbytes).predicted_s, 2),
             "caps_mbit": [[s.up, s.down] for s in specs],
-            "measured_mbit": [[round(x, 1) for x in measured.get(pid, (0, 0))] for pid in sorted(ids, key=order.get)],
+            "measured_mbit": [[round(x, 1) for x in measured.get(pid, (0, 0))] for pid in ids],
             "all_rounds_s": {k: [round(t, 2) for t in v] for k, v in results.items()},
             "last_round_member_s": per_member,
         }
@@ -172,6 +178,8 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--numel", type=int, default=18_000_000, help="vector size (ALBERT-large: ~18M)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES),
+                        help="strategies to run (a JSON key is null for one left out)")
     parser.add_argument("--timeout", type=float, default=400.0, help="averaging timeout per round, seconds")
     parser.add_argument("--probe-mb", type=float, default=2.0)
     parser.add_argument("--known-caps", action="store_true", help="give peers their true caps instead of probing")

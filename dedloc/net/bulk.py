@@ -125,6 +125,8 @@ async def send_paced(writer: asyncio.StreamWriter, reader: asyncio.StreamReader,
         nonlocal got, delay
         got += await _take_credits(reader, need - got)
         done = min(got * UNIT, total)
+        if done > sent:
+            raise ProtocolError("the receiver credited bytes that were not sent yet")
         window.credited(done)
         now = time.monotonic()
         while written and written[0][0] <= done:
