@@ -4,7 +4,8 @@ Lives in the runtime process. Three owned background duties, cancelled by ``clos
 - probe up to ``probe_peers`` random reachable peers every ``probe_interval`` seconds;
 - publish this peer's :class:`CapabilityRecord` (expiring) every ``PUBLISH_INTERVAL`` seconds;
 - nothing else: plans are computed on demand by the matchmaking leader, from a snapshot of
-  everyone's records refreshed every ``replan_interval`` seconds or when a member is missing.
+  everyone's records refreshed every ``replan_interval`` seconds, or (at most every
+  ``MIN_REFRESH`` seconds) while a member has no record or no measured rates in it.
 
 Every member of a round uses the leader's plan, since the shares travel inside the Group.
 A planning failure never fails a round: the leader falls back to equal shares and logs why.
@@ -151,6 +152,12 @@ class Planner:
         snap[self.me] = self.record()
         self.snapshot, self._snapshot_time = snap, time.monotonic()
 
+    def _unknown(self, peer: str) -> bool:
+        """No record of ``peer`` in the snapshot, or one without measured rates yet (a newcomer
+        publishes before its first probe): planned with the median until the next refresh."""
+        rec = self.snapshot.get(peer)
+        return rec is None or rec.upload <= 0 or rec.download <= 0
+
     # ---- planning ------------------------------------------------------------------------------
     def plan_peers(self, members: tuple[Member, ...]) -> tuple[list[lp.PlanPeer], dict[tuple[int, int], float]]:
         """The LP's view of ``members``: measured rates, unknown ones filled with the median of the known."""
@@ -189,12 +196,15 @@ class Planner:
         peers: list[lp.PlanPeer] = []
         try:
             if mode in ("lp", "bandwidth"):
-                if any(m.peer_id not in self.snapshot for m in members) and \
+                if any(self._unknown(m.peer_id) for m in members) and \
                         time.monotonic() - self._snapshot_time > MIN_REFRESH:
                     await self._refresh(force=True)
                 else:
                     await self._refresh()
             peers, pairs = self.plan_peers(members)
+            if mode != "equal" and all(self._unknown(m.peer_id) for m in members):
+                logger.debug(f"no link measured yet among {len(members)} peers: equal shares")
+                return tuple(lp.equal_shares(peers))
             nbytes = max(1, numel) * bytes_per_element
             if mode == "equal":
                 plan = lp.plan_with(peers, lp.equal_shares(peers), nbytes)
