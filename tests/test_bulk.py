@@ -89,10 +89,16 @@ def test_sender_closing_mid_payload_raises_incomplete_read():
     asyncio.run(go())
 
 
-def test_receiver_answering_instead_of_crediting_is_a_protocol_error():
+@pytest.mark.parametrize("answer, why, left", [
+    # a refusal after some credits: reported, and left on the stream for the caller to read
+    (bytes([bulk.CREDIT]) * 3 + b"DDLC not a credit", "before reading the whole payload", b"DDLC not a credit"),
+    # credits ahead of the bytes (to make the sender flood the link): caught, not believed
+    (bytes([bulk.CREDIT]) * bulk.credits_for(8 << 20), "not sent yet", b""),
+], ids=["answers-instead-of-crediting", "credits-ahead"])
+def test_receiver_misbehaving_while_we_send_is_a_protocol_error(answer, why, left):
     async def go():
         (ra, wa), (rb, wb) = await pair()
-        wb.write(bytes([bulk.CREDIT]) * 3 + b"DDLC not a credit")
+        wb.write(answer)
         await wb.drain()
 
         async def discard():
@@ -100,31 +106,10 @@ def test_receiver_answering_instead_of_crediting_is_a_protocol_error():
                 pass
 
         sink = asyncio.create_task(discard())
-        with pytest.raises(ProtocolError, match="before reading the whole payload"):
-            await asyncio.wait_for(bulk.send_paced(wa, ra, memoryview(bytes(4 << 20)), 1 << 20), 10)
-        # the answer (after the credits) is left on the stream for the caller to read
-        assert await asyncio.wait_for(ra.readexactly(17), 10) == b"DDLC not a credit"
-        wa.close()
-        await asyncio.wait_for(sink, 10)
-        wb.close()
-
-    asyncio.run(go())
-
-
-def test_credits_for_bytes_not_yet_sent_are_a_protocol_error():
-    """A receiver that credits ahead (to make the sender flood the link) is caught, not believed."""
-    async def go():
-        (ra, wa), (rb, wb) = await pair()
-        wb.write(bytes([bulk.CREDIT]) * bulk.credits_for(8 << 20))
-        await wb.drain()
-
-        async def discard():
-            while await rb.read(1 << 20):
-                pass
-
-        sink = asyncio.create_task(discard())
-        with pytest.raises(ProtocolError, match="not sent yet"):
+        with pytest.raises(ProtocolError, match=why):
             await asyncio.wait_for(bulk.send_paced(wa, ra, memoryview(bytes(8 << 20)), 1 << 20), 10)
+        if left:
+            assert await asyncio.wait_for(ra.readexactly(len(left)), 10) == left
         wa.close()
         await asyncio.wait_for(sink, 10)
         wb.close()

@@ -204,8 +204,9 @@ class PartitionedRound:
         finally:
             for t in tasks:
                 t.cancel()
-        reduced = f"; own part reduced at {self._reduced_at - self._t0:.2f} s" if self._reduced_at else ""
-        logger.debug(f"{self._prefix()}: {self.stats.timeline(self._t0)}{reduced}")
+        if logger.isEnabledFor(logging.DEBUG):
+            reduced = f"; own part reduced at {self._reduced_at - self._t0:.2f} s" if self._reduced_at else ""
+            logger.debug(f"{self._prefix()}: {self.stats.timeline(self._t0)}{reduced}")
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise AveragingError(f"{self._prefix()}: {len(errors)} part(s) could not be averaged: {errors[0]}")

@@ -112,13 +112,12 @@ class Averager:
         fetch from the backup): a peer leaving right after its step still serves slower members.
         True if that happened in time."""
         async def settled() -> None:
-            while True:
-                pending = [r.served.wait() for r in self._rounds.values() if isinstance(r, PartitionedRound)
-                           and not r.served.is_set()]
-                await asyncio.gather(self._idle.wait(), *pending)
-                if self._idle.is_set() and all(r.served.is_set() for r in self._rounds.values()
-                                               if isinstance(r, PartitionedRound)):
+            while True:  # a stream may start while we wait: check both again until both hold at once
+                unserved = [r.served for r in self._rounds.values()
+                            if isinstance(r, PartitionedRound) and not r.served.is_set()]
+                if self._idle.is_set() and not unserved:
                     return
+                await asyncio.gather(self._idle.wait(), *(e.wait() for e in unserved))
 
         try:
             await asyncio.wait_for(settled(), timeout)
