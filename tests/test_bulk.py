@@ -115,3 +115,19 @@ def test_receiver_misbehaving_while_we_send_is_a_protocol_error(answer, why, lef
         wb.close()
 
     asyncio.run(go())
+
+
+def test_window_does_not_trust_a_rate_taken_over_milliseconds():
+    """Regression (a CI failure): the first credits of a payload arrive within milliseconds, out of
+    socket buffers and the token bucket, not at the link's rate. Taken as the rate, 64 KiB in 10 ms
+    opened a 6 MiB window on a 1 MB/s link, and three such probes queued ~7 s unpaced. Before
+    MIN_SPAN the window only doubles what was credited; after it, it is rate x TARGET_DELAY."""
+    w = bulk._Window(now=0.0)
+    w.credited(64 << 10, now=0.01)
+    assert w.size == bulk.FIRST_WINDOW  # not 6.5 MB/s x 1 s
+    w.credited(bulk.FIRST_WINDOW, now=0.02)
+    assert w.size == 2 * bulk.FIRST_WINDOW  # slow start: doubles per round trip
+    w.credited(1_000_000, now=1.0)  # 1 MB/s over a second
+    assert w.size == int(1_000_000 * bulk.TARGET_DELAY)
+    w.credited(1_010_000, now=3.5)  # the link slowed to a trickle: the window falls to its floor
+    assert w.size == bulk.MIN_WINDOW

@@ -23,8 +23,8 @@ from dedloc.errors import ProtocolError
 from dedloc.net import bulk
 
 MAGIC = b"DDLC"
-VERSION = 4  # 2: members carry a "fetch" flag, ready records the vector size; 3: payloads are credit-paced;
-# 4: probes are credit-paced too
+VERSION = 5  # 2: members carry a "fetch" flag, ready records the vector size; 3: payloads are credit-paced;
+# 4: probes are credit-paced too; 5: a credit per 16 KiB (was 64 KiB)
 HEADER = struct.Struct("<4sHBB16sIdQ")
 MAX_ERROR_BYTES = 4096
 

@@ -7,8 +7,9 @@ about ``TARGET_DELAY`` seconds of data are queued, between ``MIN_WINDOW`` and ``
 Why: the p2p daemon multiplexes every stream to a peer over one connection, and its multiplexer
 resets the whole connection when a keepalive waits behind more than ~10 s of queued data. Unpaced,
 that happened to every peer on 10 Mbit/s links as soon as several streams shared a link (measured:
-docs/wire.md). On fast links the window grows to ``MAX_WINDOW`` within the first round trip, and
-pacing costs nothing measurable.
+docs/wire.md). For its first ``MIN_SPAN`` seconds a payload's window only doubles per round trip
+(slow start): a rate taken over milliseconds measures buffers, not the link. On fast links the
+window still reaches ``MAX_WINDOW`` within a few round trips, and pacing costs nothing measurable.
 
 **Zero-copy reads.** A payload of at least ``ZEROCOPY_MIN`` bytes is read straight from the
 stream's socket into the destination buffer (what the stream reader already buffered is copied
@@ -32,12 +33,13 @@ from typing import Callable
 from dedloc.errors import ProtocolError
 
 CREDIT = 0xC5
-UNIT = 64 << 10
+UNIT = 16 << 10
 TARGET_DELAY = 1.0
 MIN_WINDOW = 4 * UNIT
 MAX_WINDOW = 64 << 20
-FIRST_WINDOW = 8 * UNIT
+FIRST_WINDOW = 16 * UNIT
 RATE_SPAN = 2.0
+MIN_SPAN = 0.25
 ZEROCOPY_MIN = 1 << 20
 
 
@@ -73,19 +75,24 @@ def credits_for(nbytes: int) -> int:
 
 
 class _Window:
-    """The sender's window: delivery rate over the last ``RATE_SPAN`` seconds times the target delay."""
+    """The sender's window: delivery rate over the last ``RATE_SPAN`` seconds times the target delay
+    (slow start before ``MIN_SPAN``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: float | None = None) -> None:
         self.size = FIRST_WINDOW
-        self._samples: collections.deque[tuple[float, int]] = collections.deque([(time.monotonic(), 0)])
+        self._samples: collections.deque[tuple[float, int]] = collections.deque(
+            [(time.monotonic() if now is None else now, 0)])
 
-    def credited(self, total: int) -> None:
-        now = time.monotonic()
+    def credited(self, total: int, now: float | None = None) -> None:
+        """``total`` bytes are credited so far (at ``now``, default the clock)."""
+        now = time.monotonic() if now is None else now
         self._samples.append((now, total))
         while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_SPAN:
             self._samples.popleft()
         t0, b0 = self._samples[0]
-        if now > t0 and total > b0:
+        if now - t0 < MIN_SPAN:  # too early to tell a link from a burst into buffers: slow start
+            self.size = min(MAX_WINDOW, max(self.size, 2 * total))
+        elif total > b0:
             rate = (total - b0) / (now - t0)
             self.size = int(min(MAX_WINDOW, max(MIN_WINDOW, rate * TARGET_DELAY)))
 
@@ -109,10 +116,28 @@ async def _take_credits(reader: asyncio.StreamReader, limit: int) -> int:
     return len(data)
 
 
+async def _unless(failed: "asyncio.Task[None]", aw) -> None:
+    """Await ``aw``, but raise at once if the task ``failed`` ends with an error first."""
+    if failed.done():
+        failed.result()
+    job = asyncio.ensure_future(aw)
+    try:
+        await asyncio.wait({job, failed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not job.done():
+            job.cancel()
+    if failed.done() and failed.exception() is not None:
+        failed.result()
+    await job
+
+
 async def send_paced(writer: asyncio.StreamWriter, reader: asyncio.StreamReader, view: memoryview,
                      chunk_bytes: int) -> Transfer:
     """Write ``view`` (bytes) paced by the receiver's credits; returns once all of it is credited,
-    with its timing and the queueing delay it saw."""
+    with its timing and the queueing delay it saw.
+
+    Credits are read as they arrive, by a task of their own, so a sender blocked on a full
+    transport still times them (and still learns at once that the receiver answered)."""
     total = len(view)
     need = credits_for(total)
     window = _Window()
@@ -120,30 +145,39 @@ async def send_paced(writer: asyncio.StreamWriter, reader: asyncio.StreamReader,
     sent = got = 0
     delay = 0.0
     start = time.monotonic()
+    more = asyncio.Event()
 
     async def take() -> None:
         nonlocal got, delay
-        got += await _take_credits(reader, need - got)
-        done = min(got * UNIT, total)
-        if done > sent:
-            raise ProtocolError("the receiver credited bytes that were not sent yet")
-        window.credited(done)
-        now = time.monotonic()
-        while written and written[0][0] <= done:
-            delay = max(delay, now - written.popleft()[1])
+        while got < need:
+            got += await _take_credits(reader, need - got)
+            done = min(got * UNIT, total)
+            if done > sent:
+                raise ProtocolError("the receiver credited bytes that were not sent yet")
+            window.credited(done)
+            now = time.monotonic()
+            while written and written[0][0] <= done:
+                delay = max(delay, now - written.popleft()[1])
+            more.set()
 
-    while sent < total:
-        room = window.size - (sent - min(got * UNIT, total))
-        if room <= 0:
-            await take()
-            continue
-        n = min(chunk_bytes, room, total - sent)
-        writer.write(view[sent:sent + n])
-        sent += n
-        written.append((sent, time.monotonic()))
-        await writer.drain()
-    while got < need:
-        await take()
+    credits = asyncio.create_task(take())
+    try:
+        while sent < total:
+            room = window.size - (sent - min(got * UNIT, total))
+            if room <= 0:
+                more.clear()
+                await _unless(credits, more.wait())
+                continue
+            n = min(chunk_bytes, room, total - sent)
+            writer.write(view[sent:sent + n])
+            sent += n
+            written.append((sent, time.monotonic()))
+            await _unless(credits, writer.drain())
+        await credits
+    finally:
+        if not credits.done():
+            credits.cancel()
+            await asyncio.gather(credits, return_exceptions=True)
     return Transfer(total, start, time.monotonic(), delay)
 
 
