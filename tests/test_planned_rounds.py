@@ -101,3 +101,12 @@ def test_rounds_measure_upload_and_download_passively(make_peers):
     for p in peers:
         rec = p.capabilities()["peers"][p.peer_id]
         assert rec["u"] > 1e6 and rec["d"] > 1e6  # loopback moves well over 1 MB/s
+    # an estimate that moved is published within MIN_PUBLISH (5 s), not at the next periodic
+    # publication (30 s after the one at start-up): the others plan with it in their next rounds
+    deadline = time.monotonic() + 12
+    while True:
+        seen = peers[1].capabilities()["peers"].get(peers[0].peer_id)
+        if seen and seen["u"] > 1e6 and seen["d"] > 1e6:
+            break
+        assert time.monotonic() < deadline, f"the new estimates were not published: {seen}"
+        time.sleep(0.2)

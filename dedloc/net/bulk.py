@@ -28,7 +28,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Awaitable, Callable
 
 from dedloc.errors import ProtocolError
 
@@ -116,19 +116,22 @@ async def _take_credits(reader: asyncio.StreamReader, limit: int) -> int:
     return len(data)
 
 
-async def _unless(failed: "asyncio.Task[None]", aw) -> None:
-    """Await ``aw``, but raise at once if the task ``failed`` ends with an error first."""
+async def _unless(failed: "asyncio.Task[None]", wait: Callable[[], Awaitable[Any]]) -> None:
+    """Await ``wait()``, but raise at once if the task ``failed`` ends with an error first (if it
+    ends cleanly, ``wait()`` is simply awaited)."""
     if failed.done():
         failed.result()
-    job = asyncio.ensure_future(aw)
+        await wait()
+        return
+    job = asyncio.ensure_future(wait())
     try:
         await asyncio.wait({job, failed}, return_when=asyncio.FIRST_COMPLETED)
+        if not job.done():
+            failed.result()
+        await job
     finally:
         if not job.done():
             job.cancel()
-    if failed.done() and failed.exception() is not None:
-        failed.result()
-    await job
 
 
 async def send_paced(writer: asyncio.StreamWriter, reader: asyncio.StreamReader, view: memoryview,
@@ -166,13 +169,13 @@ async def send_paced(writer: asyncio.StreamWriter, reader: asyncio.StreamReader,
             room = window.size - (sent - min(got * UNIT, total))
             if room <= 0:
                 more.clear()
-                await _unless(credits, more.wait())
+                await _unless(credits, more.wait)
                 continue
             n = min(chunk_bytes, room, total - sent)
             writer.write(view[sent:sent + n])
             sent += n
             written.append((sent, time.monotonic()))
-            await _unless(credits, writer.drain())
+            await _unless(credits, writer.drain)
         await credits
     finally:
         if not credits.done():

@@ -1,11 +1,13 @@
 """The planner of one peer: measures its links, publishes its capabilities, plans rounds it leads.
 
-Lives in the runtime process. Three owned background duties, cancelled by ``close()``:
+Lives in the runtime process. Owned background duties, cancelled by ``close()``:
 - probe up to ``probe_peers`` random reachable peers every ``probe_interval`` seconds;
-- publish this peer's :class:`CapabilityRecord` (expiring) every ``PUBLISH_INTERVAL`` seconds;
-- nothing else: plans are computed on demand by the matchmaking leader, from a snapshot of
-  everyone's records refreshed every ``replan_interval`` seconds, or (at most every
-  ``MIN_REFRESH`` seconds) while a member has no record or no measured rates in it.
+- publish this peer's :class:`CapabilityRecord` (expiring) every ``PUBLISH_INTERVAL`` seconds,
+  and within ``MIN_PUBLISH`` seconds of a round that moved an estimate by more than ``REPUBLISH``;
+- re-read everyone's records in the background when the leader's snapshot is older than
+  ``MIN_REFRESH`` seconds. Plans are computed on demand by the matchmaking leader from that
+  snapshot; the leader waits for a fresh one only when it is older than ``replan_interval``, or
+  (at most every ``MIN_REFRESH`` seconds) while a member has no record or no measured rates in it.
 
 Every member of a round uses the leader's plan, since the shares travel inside the Group.
 A planning failure never fails a round: the leader falls back to equal shares and logs why.
@@ -32,6 +34,8 @@ from dedloc.records import CapabilityRecord
 
 logger = logging.getLogger(__name__)
 PUBLISH_INTERVAL = 30.0
+MIN_PUBLISH = 5.0
+REPUBLISH = 0.25
 FIRST_PROBE = 30.0
 MIN_REFRESH = 10.0
 MBIT = 1e6 / 8
@@ -53,6 +57,9 @@ class Planner:
         self._snapshot_time = -1e9
         self._last: lp.Plan | None = None
         self._tasks: list[asyncio.Task] = []
+        self._refreshing: asyncio.Task | None = None
+        self._changed = asyncio.Event()
+        self._published: CapabilityRecord | None = None
 
     async def start(self) -> None:
         maddrs = await self.node.visible_maddrs()
@@ -63,9 +70,10 @@ class Planner:
             self._tasks.append(asyncio.create_task(self._probe_loop()))
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = self._tasks + ([self._refreshing] if self._refreshing is not None else [])
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---- measurement ---------------------------------------------------------------------------
     def record(self) -> CapabilityRecord:
@@ -77,10 +85,15 @@ class Planner:
         """Passive measurement from one averaging round: the bytes this peer sent (received) over
         the time at least one of its payloads was being sent (received). Payloads under the
         estimator's minimum size are left out: their time is mostly latency."""
+        published = self._published
         for estimate, transfers in ((self.links.upload, stats.sent), (self.links.download, stats.received)):
             big = [t for t in transfers if t.nbytes >= estimate.min_bytes]
             if big:
                 estimate.observe(sum(t.nbytes for t in big), busy_seconds(big), passive=True)
+        if published is not None and any(
+                abs(new - old) > REPUBLISH * old for new, old in ((self.links.upload.value(), published.upload),
+                                                                 (self.links.download.value(), published.download))):
+            self._changed.set()  # the publish loop sends it within MIN_PUBLISH seconds
 
     async def probe_now(self, peers: list[str] | None = None) -> ProbeResult | None:
         """Probe ``peers`` (default: well-connected and random reachable ones) and publish the new estimates."""
@@ -119,15 +132,20 @@ class Planner:
     async def publish(self) -> None:
         rec = self.record()
         await self.node.store(self.node.key("caps"), self.me, rec.to_wire(), ttl=3 * PUBLISH_INTERVAL)
-        self.snapshot[self.me] = rec
+        self.snapshot[self.me] = self._published = rec
 
     async def _publish_loop(self) -> None:
         while True:
+            self._changed.clear()
             try:
                 await self.publish()
             except Exception as e:
                 logger.debug(f"could not publish capabilities: {e!r}")
-            await asyncio.sleep(PUBLISH_INTERVAL)
+            await asyncio.sleep(MIN_PUBLISH)
+            try:
+                await asyncio.wait_for(self._changed.wait(), PUBLISH_INTERVAL - MIN_PUBLISH)
+            except TimeoutError:
+                pass
 
     async def _probe_loop(self) -> None:
         # not at start-up, when the first rounds form: until then, unknown peers plan as equals
@@ -142,6 +160,19 @@ class Planner:
     async def refresh(self) -> None:
         """Read everyone's capability records now."""
         await self._refresh(force=True)
+
+    def _refresh_soon(self) -> None:
+        """Re-read the records in the background (one read at a time), off the round's critical path."""
+        if self._refreshing is not None and not self._refreshing.done():
+            return
+
+        async def read() -> None:
+            try:
+                await self._refresh(force=True)
+            except Exception as e:
+                logger.debug(f"could not re-read capability records: {e!r}")
+
+        self._refreshing = asyncio.create_task(read())
 
     async def _refresh(self, force: bool = False) -> None:
         age = time.monotonic() - self._snapshot_time
@@ -196,11 +227,13 @@ class Planner:
         peers: list[lp.PlanPeer] = []
         try:
             if mode in ("lp", "bandwidth"):
-                if any(self._unknown(m.peer_id) for m in members) and \
-                        time.monotonic() - self._snapshot_time > MIN_REFRESH:
+                age = time.monotonic() - self._snapshot_time
+                if any(self._unknown(m.peer_id) for m in members) and age > MIN_REFRESH:
                     await self._refresh(force=True)
-                else:
-                    await self._refresh()
+                elif age > self.config.replan_interval:
+                    await self._refresh(force=True)
+                elif age > MIN_REFRESH:
+                    self._refresh_soon()  # this round plans with the snapshot it has, the next with a fresher one
             peers, pairs = self.plan_peers(members)
             if mode != "equal" and all(self._unknown(m.peer_id) for m in members):
                 logger.debug(f"no link measured yet among {len(members)} peers: equal shares")
@@ -215,10 +248,10 @@ class Planner:
         except ConfigError as e:
             logger.warning(f"planning failed ({e}); using equal shares")
             return tuple(lp.equal_shares(peers)) if peers else tuple(m.share for m in members)
-        self._log(plan, nbytes)
+        self._log(plan, peers, nbytes)
         return plan.shares
 
-    def _log(self, plan: lp.Plan, nbytes: int) -> None:
+    def _log(self, plan: lp.Plan, plan_peers: list[lp.PlanPeer], nbytes: int) -> None:
         last = self._last
         self._last = plan
         if last is not None and last.peer_ids == plan.peer_ids and last.strategy == plan.strategy and max(
@@ -227,7 +260,9 @@ class Planner:
         active = sum(1 for g in plan.shares if g > 0)
         logger.info(f"plan: {plan.strategy} over {len(plan.peer_ids)} peers ({active} aggregate), predicted "
                     f"{plan.predicted_s:.2f} s for {nbytes / 1e6:.1f} MB (solved in {plan.solve_s * 1e3:.0f} ms)")
-        logger.debug("plan shares: " + ", ".join(f"{p[:8]}={g:.3f}" for p, g in zip(plan.peer_ids, plan.shares)))
+        logger.debug("plan shares (Mbit/s up/down): " + ", ".join(
+            f"..{p.peer_id[-6:]}={g:.3f} ({p.upload / MBIT:.0f}/{p.download / MBIT:.0f})"
+            for p, g in zip(plan_peers, plan.shares)))
 
     @property
     def last_plan(self) -> lp.Plan | None:
