@@ -59,6 +59,21 @@ class Peer:
         records, wanted = self.runtime.call("report", record.to_wire(), self.config.progress_ttl)
         return CollaborationView.build(records), wanted
 
+    def report_async(self, record: ProgressRecord) -> "cf.Future[tuple[CollaborationView, bool]]":
+        """:meth:`report` without waiting: a future of its result (errors as in :meth:`report`)."""
+        raw = self.runtime.call_async("report", record.to_wire(), self.config.progress_ttl)
+        out: cf.Future = cf.Future()
+
+        def done(f: cf.Future) -> None:
+            try:
+                records, wanted = f.result()
+                out.set_result((CollaborationView.build(records), wanted))
+            except BaseException as e:  # noqa: BLE001: handed to whoever reads the future
+                out.set_exception(e)
+
+        raw.add_done_callback(done)
+        return out
+
     def leave(self) -> None:
         """Announce that this peer left (others stop waiting for it); close() still has to be called."""
         self.runtime.call("leave", 2 * self.config.progress_ttl)

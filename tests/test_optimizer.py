@@ -317,3 +317,33 @@ def test_aggregator_only_peer_takes_the_averaging_and_training_stays_exact():
         assert torch.equal(trainers[0].params[s], trainers[1].params[s]), f"peers differ after step {s}"
     losses, params = replay([t.log for t in trainers], steps, clip=None)
     torch.testing.assert_close(trainers[0].params[steps], params, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_far_from_the_target_progress_is_reported_in_the_background():
+    """The training loop does not wait for the DHT on every micro-batch: while the target is far
+    (at the measured speeds), the count is published and read in the background. Near it, each
+    micro-batch still waits for a fresh count, so the batch bound and exactness are unchanged."""
+    torch.set_num_threads(1)
+    steps, target, micro = 3, 320, 4
+    cfg = OptimizerConfig(target_batch_size=target)
+    peers = start(2, run_id())
+    try:
+        trainers = [Trainer(i, p, cfg, micro=micro, delay=0.05, steps=steps) for i, p in enumerate(peers)]
+        for t in trainers:
+            t.start()
+        join_all(trainers)
+    finally:
+        for p in peers:
+            p.close()
+    for t in trainers:
+        total = t.opt.blocking_reports + t.opt.background_reports
+        assert t.opt.background_reports >= 0.3 * total, (t.opt.blocking_reports, t.opt.background_reports)
+    for s in range(steps + 1):
+        assert torch.equal(trainers[0].params[s], trainers[1].params[s]), f"peers differ after step {s}"
+    for s in range(steps):
+        consumed = sum(len(i) for t in trainers for i, _ in t.log.get(s, []))
+        assert {rec.batch for t in trainers for rec in t.opt.history if rec.step == s} == {float(consumed)}
+        assert target <= consumed < target + 2 * micro, (s, consumed)
+    _, params = replay([t.log for t in trainers], steps, clip=None)
+    torch.testing.assert_close(trainers[0].params[steps], params, rtol=1e-5, atol=1e-5)

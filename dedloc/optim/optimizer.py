@@ -12,9 +12,13 @@ Guarantees:
 - *Large-batch equivalence.* Each global step applies the gradient of the mean loss over exactly
   the samples the collaboration processed for it (micro-batch gradients weighted by size), once,
   with the same optimizer, scheduler and clipping on every peer.
-- *Bounded batch.* A peer starts a micro-batch only after reading (from the DHT, after publishing
-  its own count) that the collaboration is below ``target_batch_size``; so a step's realised batch
-  is in ``[B, B + one micro-batch per peer)`` unless peers fail.
+- *Bounded batch.* Near the target, a peer starts a micro-batch only after reading (from the DHT,
+  after publishing its own count) that the collaboration is below ``target_batch_size``; so a
+  step's realised batch is in ``[B, B + one micro-batch per peer)`` unless peers fail or the
+  collaboration suddenly runs more than twice as fast as measured. Far from the target (when, at
+  the measured speeds, it cannot be reached within twice the time a report takes to come back plus
+  two micro-batches, plus a quarter second), the count is published and read in the background instead:
+  the training loop does not wait for the DHT on every micro-batch.
 - *Identical parameters.* All peers in a round apply the same averaged gradient. A peer that
   missed a round, failed one, or whose parameter hash disagrees with the majority drops its local
   gradients and downloads the state (parameters, optimizer, scheduler, scale, step) from a peer.
@@ -68,6 +72,17 @@ class RoundRecord:
 
 
 @dataclass
+class _Seen:
+    view: CollaborationView
+    at: float
+    """``time.monotonic()`` when the read completed."""
+
+
+FAR_MARGIN = 2.0
+MAX_VIEW_AGE = 5.0
+
+
+@dataclass
 class _Inflight:
     step: int
     vector: torch.Tensor
@@ -105,7 +120,11 @@ class CollaborativeOptimizer:
         self.history: list[RoundRecord] = []
         self.resyncs = 0
         self._inflight: _Inflight | None = None
-        self._sps, self._mb_time = _Ema(), _Ema()
+        self._sps, self._mb_time, self._latency = _Ema(), _Ema(), _Ema()
+        self._seen: _Seen | None = None
+        self._pending: tuple[cf.Future, float] | None = None
+        self.blocking_reports = self.background_reports = 0
+        """Progress reports the training loop waited for, and ones sent in the background."""
         self._last_end: float | None = None
         self._fingerprint = self._hash()
         self._closed = False
@@ -134,7 +153,9 @@ class CollaborativeOptimizer:
             self._zero_grads()
             if self._inflight is not None and self._inflight.future.done() and not self._finish_inflight():
                 return StepOutcome.RESYNCED
-            view = self._report(busy=True)
+            view = self._cached_view_if_far()
+            if view is None:
+                view = self._report(busy=True)
             if view.global_step > self.global_step + 1 or self._disagrees(view):
                 self._resync(view, f"the collaboration is at step {view.global_step}" if
                              view.global_step > self.global_step + 1 else "parameters differ from the majority's")
@@ -247,15 +268,63 @@ class CollaborativeOptimizer:
         return StepOutcome.SKIPPED if overflow else StepOutcome.STEPPED
 
     # ---- progress and sync -------------------------------------------------------------------------------
-    def _report(self, busy: bool) -> CollaborationView:
+    def _record(self, busy: bool) -> ProgressRecord:
         now = time.time()
-        record = ProgressRecord(self.peer.peer_id, self.global_step, self.acc.samples, self._sps.value,
-                                self.peer.role, 0.0, now, now + self._mb_time.value if busy else 0.0,
-                                self._fingerprint)
-        view, wanted = self.peer.report(record)
+        return ProgressRecord(self.peer.peer_id, self.global_step, self.acc.samples, self._sps.value,
+                              self.peer.role, 0.0, now, now + self._mb_time.value if busy else 0.0,
+                              self._fingerprint)
+
+    def _report(self, busy: bool) -> CollaborationView:
+        """Publish this peer's progress and read everyone's, waiting for the DHT."""
+        sent = time.monotonic()
+        view, wanted = self.peer.report(self._record(busy))
+        self.blocking_reports += 1
+        self._saw(view, sent, wanted)
+        return view
+
+    def _saw(self, view: CollaborationView, sent: float, wanted: bool) -> None:
+        now = time.monotonic()
+        self._latency.update(now - sent)
+        self._seen = _Seen(view, now)
         if wanted and self._inflight is None:
             self.offer_state()
-        return view
+
+    def _cached_view_if_far(self) -> CollaborationView | None:
+        """The last view read, if the target is far enough that this micro-batch need not wait for a
+        fresh one (a background report is then sent, one at a time); None if it must."""
+        if self._pending is not None and self._pending[0].done():
+            (future, sent), self._pending = self._pending, None
+            try:
+                view, wanted = future.result()
+            except Exception as e:
+                logger.debug(f"background progress report failed: {e!r}")
+                return None  # the synchronous report that follows raises or recovers
+            self._saw(view, sent, wanted)
+        seen = self._seen
+        if seen is None or not self._far(seen):
+            return None
+        if self._pending is None:
+            self._pending = (self.peer.report_async(self._record(busy=True)), time.monotonic())
+            self.background_reports += 1
+        return seen.view
+
+    def _far(self, seen: _Seen) -> bool:
+        """At the measured speeds, the collaboration cannot reach the target before a report sent
+        now comes back, plus two of this peer's micro-batches, with a margin of FAR_MARGIN and 0.25 s."""
+        view = seen.view
+        age = time.monotonic() - seen.at
+        if view.global_step != self.global_step or age > MAX_VIEW_AGE:
+            return False
+        me, now = self.peer.peer_id, time.time()
+        samples, speed = float(self.acc.samples), self._sps.value
+        for r in view.trainers_at(self.global_step):
+            if r.peer_id != me:
+                samples += r.samples + r.samples_per_second * max(0.0, now - r.time)
+                speed += r.samples_per_second
+        if speed <= 0:
+            return False
+        horizon = FAR_MARGIN * (age + self._latency.value + 2 * self._mb_time.value) + 0.25
+        return samples + speed * horizon < self.config.target_batch_size
 
     def _hash(self) -> str:
         if not self.config.verify_sync:
