@@ -103,9 +103,10 @@ def test_slow_links_pace_payloads_instead_of_losing_connections(tmp_path):
             p.send(op="average", seed=2000 + p.index, numel=SLOW_NUMEL, step=0, weight=weights[p.index], expected=4)
         answers = [p.receive(250) for p in peers]
         assert [a["failovers"] for a in answers] == [0] * 4, answers
-        # the queue behind each link stayed short: every payload was credited within a few seconds
-        # of being written (unpaced, this reached ~15 s here; 5 s is half the multiplexer's limit)
-        assert max(a["queue_s"] for a in answers) < 5.0, [a["queue_s"] for a in answers]
+        # the queue behind each link stayed below the multiplexer's ~10 s keepalive limit: every
+        # payload was credited within a few seconds of being written (2.5-3.6 s here; unpaced,
+        # 16.5-17.2 s). The bound leaves room for a loaded machine: CPU starvation delays credits.
+        assert max(a["queue_s"] for a in answers) < 8.0, [a["queue_s"] for a in answers]
         assert all(a["group_size"] == 4 for a in answers)
         assert len({(tuple(a["head"]), a["checksum"]) for a in answers}) == 1, "members disagree"
         assert answers[0]["checksum"] == pytest.approx(float(ref.double().sum()), abs=1e-2)
@@ -113,7 +114,7 @@ def test_slow_links_pace_payloads_instead_of_losing_connections(tmp_path):
         # probes are paced too: 3 x 3 MiB pushed at once would queue ~9 s unpaced
         probe = peers[0].call(op="probe")
         assert probe["failed"] == {} and len(probe["pushed"]) == len(probe["pulled"]) == 3, probe
-        assert probe["queue_s"] < 5.0, probe
+        assert probe["queue_s"] < 8.0, probe  # 1.9-2.9 s here
         assert 0.5 * SLOW[0].upload_mbit * MBIT < probe["upload"] < 1.2 * SLOW[0].upload_mbit * MBIT, probe
         print(f"slow round {max(a['allreduce_s'] for a in answers):.1f} s, queueing delay "
               f"{max(a['queue_s'] for a in answers):.1f} s (probes {probe['queue_s']:.1f} s) on {SLOW}")
