@@ -56,8 +56,7 @@ class Peer:
 
     def report(self, record: ProgressRecord) -> tuple[CollaborationView, bool]:
         """Publish ``record`` and read everyone's in one call; also returns whether a peer wants our state."""
-        records, wanted = self.runtime.call("report", record.to_wire(), self.config.progress_ttl)
-        return CollaborationView.build(records), wanted
+        return self.report_async(record).result()
 
     def report_async(self, record: ProgressRecord) -> "cf.Future[tuple[CollaborationView, bool]]":
         """:meth:`report` without waiting: a future of its result (errors as in :meth:`report`)."""

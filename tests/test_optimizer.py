@@ -188,10 +188,12 @@ def curve(trainers, steps):
     return out
 
 
-def run_collaboration(cfg, steps, micro=(5, 8, 13), delays=(0.0, 0.01, 0.02)):
-    peers = start(3, run_id())
+def run_collaboration(cfg, steps, micro=(5, 8, 13), delays=(0.0, 0.01, 0.02),
+                      opt_kwargs=(("lr", 0.05), ("momentum", 0.0))):
+    """One trainer per entry of ``micro``; ``opt_kwargs`` () for make_opt's defaults (as replay uses)."""
+    peers = start(len(micro), run_id())
     try:
-        trainers = [Trainer(i, p, cfg, micro=m, delay=d, steps=steps, opt_kwargs=dict(lr=0.05, momentum=0.0))
+        trainers = [Trainer(i, p, cfg, micro=m, delay=d, steps=steps, opt_kwargs=dict(opt_kwargs))
                     for i, (p, m, d) in enumerate(zip(peers, micro, delays))]
         for t in trainers:
             t.start()
@@ -327,15 +329,7 @@ def test_far_from_the_target_progress_is_reported_in_the_background():
     torch.set_num_threads(1)
     steps, target, micro = 3, 320, 4
     cfg = OptimizerConfig(target_batch_size=target)
-    peers = start(2, run_id())
-    try:
-        trainers = [Trainer(i, p, cfg, micro=micro, delay=0.05, steps=steps) for i, p in enumerate(peers)]
-        for t in trainers:
-            t.start()
-        join_all(trainers)
-    finally:
-        for p in peers:
-            p.close()
+    trainers = run_collaboration(cfg, steps, micro=(micro, micro), delays=(0.05, 0.05), opt_kwargs=())
     for t in trainers:
         total = t.opt.blocking_reports + t.opt.background_reports
         assert t.opt.background_reports >= 0.3 * total, (t.opt.blocking_reports, t.opt.background_reports)

@@ -85,11 +85,11 @@ class Planner:
         """Passive measurement from one averaging round: the bytes this peer sent (received) over
         the time at least one of its payloads was being sent (received). Payloads under the
         estimator's minimum size are left out: their time is mostly latency."""
-        published = self._published
         for estimate, transfers in ((self.links.upload, stats.sent), (self.links.download, stats.received)):
             big = [t for t in transfers if t.nbytes >= estimate.min_bytes]
             if big:
                 estimate.observe(sum(t.nbytes for t in big), busy_seconds(big), passive=True)
+        published = self._published
         if published is not None and any(
                 abs(new - old) > REPUBLISH * old for new, old in ((self.links.upload.value(), published.upload),
                                                                  (self.links.download.value(), published.download))):
@@ -98,7 +98,7 @@ class Planner:
     async def probe_now(self, peers: list[str] | None = None) -> ProbeResult | None:
         """Probe ``peers`` (default: well-connected and random reachable ones) and publish the new estimates."""
         if peers is None:
-            await self._refresh(force=True)
+            await self.refresh()
             push_to, pull_from = self._probe_targets("download"), self._probe_targets("upload")
         else:
             push_to = pull_from = list(peers)
@@ -159,7 +159,10 @@ class Planner:
 
     async def refresh(self) -> None:
         """Read everyone's capability records now."""
-        await self._refresh(force=True)
+        entries = await self.node.get(self.node.key("caps"))
+        snap = {p: r for p, (v, _) in entries.items() if (r := CapabilityRecord.from_wire(p, v)) is not None}
+        snap[self.me] = self.record()
+        self.snapshot, self._snapshot_time = snap, time.monotonic()
 
     def _refresh_soon(self) -> None:
         """Re-read the records in the background (one read at a time), off the round's critical path."""
@@ -168,20 +171,11 @@ class Planner:
 
         async def read() -> None:
             try:
-                await self._refresh(force=True)
+                await self.refresh()
             except Exception as e:
                 logger.debug(f"could not re-read capability records: {e!r}")
 
         self._refreshing = asyncio.create_task(read())
-
-    async def _refresh(self, force: bool = False) -> None:
-        age = time.monotonic() - self._snapshot_time
-        if not force and age < self.config.replan_interval:
-            return
-        entries = await self.node.get(self.node.key("caps"))
-        snap = {p: r for p, (v, _) in entries.items() if (r := CapabilityRecord.from_wire(p, v)) is not None}
-        snap[self.me] = self.record()
-        self.snapshot, self._snapshot_time = snap, time.monotonic()
 
     def _unknown(self, peer: str) -> bool:
         """No record of ``peer`` in the snapshot, or one without measured rates yet (a newcomer
@@ -228,10 +222,9 @@ class Planner:
         try:
             if mode in ("lp", "bandwidth"):
                 age = time.monotonic() - self._snapshot_time
-                if any(self._unknown(m.peer_id) for m in members) and age > MIN_REFRESH:
-                    await self._refresh(force=True)
-                elif age > self.config.replan_interval:
-                    await self._refresh(force=True)
+                if age > self.config.replan_interval or (
+                        age > MIN_REFRESH and any(self._unknown(m.peer_id) for m in members)):
+                    await self.refresh()
                 elif age > MIN_REFRESH:
                     self._refresh_soon()  # this round plans with the snapshot it has, the next with a fresher one
             peers, pairs = self.plan_peers(members)
