@@ -11,8 +11,9 @@ Guarantees:
 - a sender that dies or stalls is excluded at the reduce deadline; a bad contribution (size,
   dtype, weight, NaN/inf) is rejected with a logged reason naming the peer;
 - an aggregator that dies is replaced by the next aggregator (its backup), which serves the
-  aggregator's result if it got it (the aggregator sends to its backup first and waits for an
-  ACK before anyone else) and otherwise re-reduces the part from re-sent contributions;
+  aggregator's result if it got it and otherwise re-reduces the part from re-sent contributions.
+  The aggregator sends its result to all members at once, but holds back the last credit unit of
+  every copy except the backup's until the backup ACKs: nobody else can complete the part first;
 - if a part cannot be obtained, ``run()`` raises AveragingError before the round deadline and
   the caller's tensor is untouched (results go to a separate output buffer).
 """
@@ -52,9 +53,19 @@ class RoundStats:
         self.received: list[Transfer] = []
         """Every payload this member received, for passive download measurement."""
 
-    def add_sent(self, transfer: Transfer | None) -> None:
+        self.payloads: list[tuple[str, Transfer]] = []
+        """Every payload with a label, for the DEBUG timeline: ``c3>3`` a contribution to part 3
+        sent to member 3, ``r3<3`` part 3's result received from member 3, ``f`` a failover
+        contribution, ``s4>`` / ``s4<`` ring step 4 sent / received."""
+
+    def add_sent(self, transfer: Transfer | None, label: str) -> None:
         if transfer is not None:
             self.sent.append(transfer)
+            self.payloads.append((label, transfer))
+
+    def add_received(self, transfer: Transfer, label: str) -> None:
+        self.received.append(transfer)
+        self.payloads.append((label, transfer))
 
     def timeline(self, t0: float) -> str:
         """One line for the DEBUG log: what moved, and when (seconds since ``t0``)."""
@@ -63,12 +74,17 @@ class RoundStats:
                 return "nothing"
             return (f"{sum(t.nbytes for t in ts) / 1e6:.1f} MB in {len(ts)} payloads, {busy_seconds(ts):.2f} s busy, "
                     f"{min(t.start for t in ts) - t0:.2f}..{max(t.end for t in ts) - t0:.2f} s")
-        return f"sent {span(self.sent)}; received {span(self.received)}"
+        each = " ".join(f"{label} {t.start - t0:.1f}-{t.end - t0:.1f}" for label, t in self.payloads)
+        return f"sent {span(self.sent)}; received {span(self.received)}; payloads {each}"
 
     @property
     def queue_s(self) -> float:
         """The longest queueing delay a payload this member sent saw (write to credit; dedloc.net.bulk)."""
         return max((t.queue_s for t in self.sent), default=0.0)
+
+
+class _Unconfirmed(Exception):
+    """The backup did not confirm this aggregator's result: nobody else may complete it."""
 
 
 class _Failover:
@@ -149,13 +165,14 @@ class PartitionedRound:
         return self._to_wire(self.local[s:e])
 
     async def _read_part(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, header: Header,
-                         part: int, into: torch.Tensor | None = None) -> torch.Tensor:
+                         part: int, sender: int, into: torch.Tensor | None = None) -> torch.Tensor:
         """Read a part's payload: straight into ``into`` when the wire is float32, else into a pooled
         buffer the caller gives back. Raises ProtocolError for NaN/inf values."""
         s, e = self.bounds[part]
         buf = into if into is not None and self.wire_dtype == torch.float32 else self.pool.take(e - s, self.wire_dtype)
         try:
-            self.stats.received.append(await read_payload_into(reader, writer, header, buf))
+            self.stats.add_received(await read_payload_into(reader, writer, header, buf),
+                                    f"{header.kind.name[0].lower()}{part}<{sender}")
         except BaseException:
             if buf is not into:
                 self.pool.give(buf)
@@ -180,7 +197,11 @@ class PartitionedRound:
             raise ProtocolError(f"expected RESULT for part {part}, got {header.kind.name} for part {header.part}")
         s, e = self.bounds[part]
         out = self.output[s:e]
-        data = await self._read_part(reader, writer, header, part, into=out)
+        try:
+            data = await self._read_part(reader, writer, header, part, who, into=out)
+        except asyncio.IncompleteReadError as e:
+            raise ConnectionError(f"peer {self._name(who)} ended its result for part {part} "
+                                  f"{e.expected} bytes short") from None
         if data is not out:
             out.copy_(data)
             self.pool.give(data)
@@ -239,12 +260,12 @@ class PartitionedRound:
                 try:
                     self.stats.add_sent(await write_frame(writer, Kind.CONTRIB, self.group.round_id, j,
                                                           self.weight, self._contribution(j), self.chunk_bytes,
-                                                          reader))
+                                                          reader), f"c{j}>{j}")
                     self._sent(j)
                     await self._read_result(reader, writer, j, j)
                     self._have[j].set_result(True)
                     if self.group.backup(j) == self.me:
-                        await write_frame(writer, Kind.ACK, self.group.round_id, j)
+                        await self._confirm(writer, j)
                         await wait_peer_closed(reader, ACK_GRACE)  # we wrote last: let the ACK arrive
                     return
                 finally:
@@ -259,6 +280,11 @@ class PartitionedRound:
             return
         self._have[j].set_result(False)
         await self._failover(j, reason)
+
+    async def _confirm(self, writer: asyncio.StreamWriter, j: int) -> None:
+        """As part ``j``'s backup, tell its aggregator that we hold its result (it completes
+        everyone else's copy only after this)."""
+        await write_frame(writer, Kind.ACK, self.group.round_id, j)
 
     async def _failover(self, j: int, reason: str) -> None:
         b = self.group.backup(j)
@@ -277,7 +303,7 @@ class PartitionedRound:
             reader, writer = await self.open_stream(self._name(b))
             try:
                 self.stats.add_sent(await write_frame(writer, Kind.FAILOVER, self.group.round_id, j, self.weight,
-                                                      self._contribution(j), self.chunk_bytes, reader))
+                                                      self._contribution(j), self.chunk_bytes, reader), f"f{j}>{b}")
                 await self._read_result(reader, writer, j, b)
             finally:
                 writer.close()
@@ -319,7 +345,7 @@ class PartitionedRound:
                 return
             if abs(header.weight - member.weight) > 1e-6 * max(1.0, member.weight):
                 raise ProtocolError(f"weight {header.weight} differs from the agreed {member.weight}")
-            data = await self._read_part(reader, writer, header, part)
+            data = await self._read_part(reader, writer, header, part, k)
             acc.add(k, member.weight, data)
             self.pool.give(data)
         except ProtocolError as e:
@@ -331,11 +357,17 @@ class PartitionedRound:
             acc.reject(k, f"disconnected: {e}")
             raise ConnectionError("sender left") from None
 
+    async def _confirmed(self) -> None:
+        """Return once the backup holds this member's result; raise _Unconfirmed if it never will."""
+        if not await asyncio.shield(self._backup_ok):
+            raise _Unconfirmed()
+
     async def _send_result(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, part: int,
-                           weight: float) -> None:
+                           weight: float, to: int, hold: Callable[[], Awaitable[None]] | None = None) -> None:
         s, e = self.bounds[part]
         self.stats.add_sent(await write_frame(writer, Kind.RESULT, self.group.round_id, part, weight,
-                                              self._to_wire(self.output[s:e]), self.chunk_bytes, reader))
+                                              self._to_wire(self.output[s:e]), self.chunk_bytes, reader, hold),
+                            f"r{part}>{to}")
 
     async def handle(self, peer_id: str, header: Header, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> bool:
@@ -376,7 +408,7 @@ class PartitionedRound:
                     return True
                 if is_backup:  # the backup writes last here (its ACK)
                     try:
-                        await self._send_result(reader, writer, self.me, self.acc.total_weight)
+                        await self._send_result(reader, writer, self.me, self.acc.total_weight, k)
                         self._delivered(k)
                         acked = (await read_header(reader)).kind == Kind.ACK
                     except (ConnectionError, asyncio.IncompleteReadError):
@@ -384,10 +416,15 @@ class PartitionedRound:
                     if not self._backup_ok.done():
                         self._backup_ok.set_result(acked)
                     return False
-                if not await asyncio.shield(self._backup_ok):
+                if self._backup_ok.done() and not self._backup_ok.result():
                     await write_error(writer, self.group.round_id, "backup did not confirm the result; fail over")
                     return True
-                await self._send_result(reader, writer, self.me, self.acc.total_weight)
+                try:  # sent alongside the backup's copy, but completed only once the backup has confirmed it
+                    await self._send_result(reader, writer, self.me, self.acc.total_weight, k, hold=self._confirmed)
+                except _Unconfirmed:
+                    logger.debug(f"{self._prefix()}: withheld the end of part {self.me} from {self._name(k)}: "
+                                 f"the backup did not confirm it")
+                    return False  # the stream closes mid-payload: the member fails over to the backup
                 self._delivered(k)
                 return True
         except Exception as e:
@@ -442,7 +479,7 @@ class PartitionedRound:
         if state.error:
             await write_error(writer, self.group.round_id, state.error)
         else:
-            await self._send_result(reader, writer, j, self.stats.part_weights.get(j, 0.0))
+            await self._send_result(reader, writer, j, self.stats.part_weights.get(j, 0.0), k)
         return True
 
     def close(self) -> None:

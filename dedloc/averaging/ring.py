@@ -130,11 +130,13 @@ class RingRound:
                 if reduce:
                     if tmp is None:
                         tmp = torch.empty(max(b - a for a, b in self.bounds), dtype=torch.float32)
-                    self.stats.received.append(await read_payload_into(reader, in_writer, header, tmp[:e2 - s2]))
+                    self.stats.add_received(await read_payload_into(reader, in_writer, header, tmp[:e2 - s2]),
+                                            f"s{t}<")
                     self.buf[s2:e2] += tmp[:e2 - s2]
                 else:  # gather: the chunk is final, read it in place
-                    self.stats.received.append(await read_payload_into(reader, in_writer, header, self.buf[s2:e2]))
-                self.stats.add_sent(await send)
+                    self.stats.add_received(await read_payload_into(reader, in_writer, header, self.buf[s2:e2]),
+                                            f"s{t}<")
+                self.stats.add_sent(await send, f"s{t}>")
             # everything arrived: close our receiving side now, then let the successor close our
             # sending side once it has read all we wrote (closing it first could drop the tail)
             self._received.set()

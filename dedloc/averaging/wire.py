@@ -15,6 +15,7 @@ import asyncio
 import enum
 import struct
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 import numpy as np
 import torch
@@ -103,10 +104,16 @@ def _bytes_view(t: torch.Tensor) -> np.ndarray:
 
 async def write_frame(writer: asyncio.StreamWriter, kind: Kind, round_id: bytes, part: int = 0,
                       weight: float = 0.0, tensor: torch.Tensor | None = None, chunk_bytes: int = 4 << 20,
-                      reader: asyncio.StreamReader | None = None) -> bulk.Transfer | None:
+                      reader: asyncio.StreamReader | None = None,
+                      hold: Callable[[], Awaitable[None]] | None = None) -> bulk.Transfer | None:
     """Write one frame; a tensor (CPU, contiguous) goes as raw bytes in large chunks, paced by the
     receiver's credits read from ``reader`` (dedloc.net.bulk). Returns once the payload is credited,
-    with its timing (None without a payload)."""
+    with its timing (None without a payload).
+
+    With ``hold``, the payload's last credit unit is written only once ``await hold()`` returns, so
+    the receiver cannot complete the frame before then; if ``hold`` raises, the frame is left
+    incomplete and the exception propagates (the caller then closes the stream). The returned
+    timing leaves the wait out."""
     if tensor is None:
         writer.write(pack_header(kind, round_id, part, weight))
         await writer.drain()
@@ -114,8 +121,15 @@ async def write_frame(writer: asyncio.StreamWriter, kind: Kind, round_id: bytes,
     if reader is None:
         raise ValueError("a frame with a payload needs the stream's reader for credits")
     writer.write(pack_header(kind, round_id, part, weight, tensor.numel(), tensor.dtype))
+    view = memoryview(_bytes_view(tensor))
     try:
-        return await bulk.send_paced(writer, reader, memoryview(_bytes_view(tensor)), chunk_bytes)
+        if hold is None:
+            return await bulk.send_paced(writer, reader, view, chunk_bytes)
+        head = max(0, len(view) - 1) // bulk.UNIT * bulk.UNIT  # whole units: the receiver credits all of them
+        first = await bulk.send_paced(writer, reader, view[:head], chunk_bytes)
+        await hold()
+        last = await bulk.send_paced(writer, reader, view[head:], chunk_bytes)
+        return bulk.Transfer(len(view), first.start, first.end + last.seconds, max(first.queue_s, last.queue_s))
     except bulk.ReceiverAnswered as e:
         why = await _refusal(reader)
         raise ProtocolError(f"the receiver refused the payload: {why}" if why else str(e)) from None

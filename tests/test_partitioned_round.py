@@ -1,0 +1,105 @@
+"""The partitioned round's protocol, run in one process over Unix socket pairs (no daemons).
+
+What is checked here is an ordering rule of the backup protocol (docs/averaging.md): an
+aggregator sends its result to every member at once, but nobody except the backup can complete
+it before the backup has confirmed that it holds a copy.
+"""
+
+import asyncio
+import socket
+
+import torch
+
+from dedloc.averaging.allreduce import PartitionedRound
+from dedloc.averaging.group import Group, Member
+from dedloc.averaging.wire import Kind, read_header, write_frame
+from dedloc.net.rpc import wait_peer_closed
+
+RID = bytes(range(16))
+
+
+class RefusingBackup(PartitionedRound):
+    """A backup that reads its aggregator's result, then answers ERROR instead of ACK."""
+
+    async def _confirm(self, writer, j):
+        await write_frame(writer, Kind.ERROR, self.group.round_id, j)
+
+
+async def run_rounds(group: Group, xs: list[torch.Tensor], kinds: list[type], timeout: float = 20.0):
+    """Run one round per member, connected by socket pairs; returns (outputs or errors, rounds)."""
+    rounds: list[PartitionedRound] = []
+    servers: set[asyncio.Task] = set()
+
+    async def serve(target: int, caller: str, reader, writer) -> None:
+        wrote_last = False
+        try:
+            wrote_last = await rounds[target].handle(caller, await read_header(reader), reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            if wrote_last:
+                await wait_peer_closed(reader, timeout)
+            writer.close()
+
+    def opener(me: int):
+        async def open_stream(peer_id: str):
+            a, b = socket.socketpair()
+            reader, writer = await asyncio.open_connection(sock=a)
+            server = asyncio.create_task(serve(group.index(peer_id), group.members[me].peer_id,
+                                               *await asyncio.open_connection(sock=b)))
+            servers.add(server)
+            return reader, writer
+        return open_stream
+
+    for i, kind in enumerate(kinds):
+        rounds.append(kind(group, i, xs[i], group.members[i].weight, opener(i), timeout))
+    try:
+        outs = await asyncio.gather(*(r.run() for r in rounds), return_exceptions=True)
+        await asyncio.wait_for(asyncio.gather(*servers, return_exceptions=True), timeout)
+    finally:
+        for r in rounds:
+            r.close()
+    return outs, rounds
+
+
+def labels(rnd: PartitionedRound) -> set[str]:
+    return {label for label, _ in rnd.stats.payloads}
+
+
+def test_nobody_completes_a_result_its_backup_did_not_confirm():
+    """Member 1 backs up part 0 and refuses to confirm it. Member 2 got most of part 0 from
+    aggregator 0 alongside member 1, but never its end: it fails over to member 1, which serves
+    the copy it holds. Every member ends with the same, exact mean."""
+    numel = 300_001  # parts of ~400 KB: many credit units, so the withheld end is a small part of each
+    group = Group(RID, 0, tuple(Member(f"p{i}", float(i + 1), 1.0) for i in range(3)))
+    assert group.backup(0) == 1
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(numel, generator=gen) for _ in range(3)]
+    ref = sum((i + 1) * x for i, x in enumerate(xs)) / 6
+
+    outs, rounds = asyncio.run(run_rounds(group, xs, [PartitionedRound, RefusingBackup, PartitionedRound]))
+
+    for out in outs:
+        assert isinstance(out, torch.Tensor), out
+        assert torch.equal(out, outs[0])
+    torch.testing.assert_close(outs[0], ref, atol=1e-5, rtol=1e-5)
+    assert "r0<0" in labels(rounds[1]) and "r0<0" not in labels(rounds[2])  # nobody but the backup got it...
+    assert {"f0>1", "r0<1"} <= labels(rounds[2]) and rounds[2].stats.failovers == 1  # ...the rest failed over
+    assert rounds[0].stats.failovers == rounds[1].stats.failovers == 0
+
+
+def test_results_go_to_every_member_at_once():
+    """With a confirming backup, no member's result waits for another member's: the results
+    an aggregator sends overlap in time (before, the backup's copy went first, alone)."""
+    numel = 3_000_001
+    group = Group(RID, 0, tuple(Member(f"p{i}", 1.0, 1.0) for i in range(4)))
+    xs = [torch.full((numel,), float(i)) for i in range(4)]
+
+    outs, rounds = asyncio.run(run_rounds(group, xs, [PartitionedRound] * 4))
+
+    for out in outs:
+        assert torch.equal(out, torch.full((numel,), 1.5))
+    for j, rnd in enumerate(rounds):
+        sent = {label: t for label, t in rnd.stats.payloads if label.startswith(f"r{j}>")}
+        assert len(sent) == 3
+        assert max(t.start for t in sent.values()) < min(t.end for t in sent.values()), sent
