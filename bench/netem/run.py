@@ -8,7 +8,9 @@ per configuration:
 
     config, peers, ring_s, butterfly_s, bandwidth_share_s, dedloc_s, predicted_s,
     speedup_vs_ring, measured_over_predicted, plan (strategy, shares), model predictions of the
-    baselines, and the plan the LP makes from the true caps (ideal_*)
+    baselines, and the plan the LP makes from the true caps (ideal_*); tcp_s and
+    measured_over_tcp: the dedloc plan's traffic sent with plain TCP (bench/netem/tcp_floor.py),
+    what the emulated links allow without our stack
 
 Round time = the slowest member's all-reduce time after matchmaking, median over --rounds.
 Each round's result is checked: identical on every member and equal to the weighted mean.
@@ -33,6 +35,8 @@ from dedloc.testing.netem import Link, Network, available
 from dedloc.testing.peer_driver import DrivenPeer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import tcp_floor  # noqa: E402 (a sibling script)
 MBIT = 1e6 / 8
 
 
@@ -83,7 +87,7 @@ def run_config(name: str, specs: list[Spec], args, logdir: str) -> dict:
             extra = dict(upload_mbps=s.up, download_mbps=s.down) if args.known_caps else {}
             return procs[i].call(op="start", timeout=120, peer=dict(
                 run_id=f"netem{os.getpid()}", host_maddrs=[f"/ip4/{net.ip(i)}/tcp/0"], initial_peers=initial,
-                client_mode=s.client, log_level="INFO"),
+                client_mode=s.client, log_level=args.log_level),
                 averaging=dict(averaging, aggregator_only=s.aggregator_only, **extra))
 
         first = start(0, [])
@@ -140,6 +144,15 @@ def run_config(name: str, specs: list[Spec], args, logdir: str) -> dict:
             if plan and plan_info and dict(zip(plan["peers"], plan["shares"])) == plan_info:
                 predicted, leader_plan = plan["predicted_s"], plan
         nbytes = args.numel * 4
+        tcp = None
+        if args.tcp_floor and plan_info:  # the same plan's traffic, with nothing but kernel TCP
+            runs = [tcp_floor.two_phase_seconds([net.exec_args(i) for i in range(len(specs))],
+                                                [net.ip(i) for i in range(len(specs))],
+                                                [plan_info.get(pid, 0.0) for pid in ids],
+                                                [not s.aggregator_only for s in specs],
+                                                [not s.aggregator_only for s in specs], nbytes)
+                    for _ in range(args.rounds)]
+            tcp = {"s": statistics.median(sum(r) for r in runs), "runs": [[round(x, 2) for x in r] for r in runs]}
         truth = plan_peers(specs, ids)
         ideal = lp.choose(truth, nbytes)
         med = {k: statistics.median(v) for k, v in results.items()}
@@ -155,6 +168,9 @@ def run_config(name: str, specs: list[Spec], args, logdir: str) -> dict:
             "speedup_vs_ring": round(med["ring"] / med["dedloc"], 2) if "ring" in med and "dedloc" in med else None,
             "measured_over_predicted": None if predicted is None or "dedloc" not in med
             else round(med["dedloc"] / predicted, 2),
+            "tcp_s": round(tcp["s"], 2) if tcp else None,
+            "measured_over_tcp": round(med["dedloc"] / tcp["s"], 2) if tcp and "dedloc" in med else None,
+            "tcp_phases_s": tcp["runs"] if tcp else None,
             "plan_strategy": leader_plan["strategy"] if leader_plan else None,
             "plan_shares": [round(plan_info.get(pid, 0.0), 3) for pid in ids] if plan_info else None,
             "ideal_strategy": ideal.strategy, "ideal_predicted_s": round(ideal.predicted_s, 2),
@@ -184,6 +200,10 @@ def main() -> None:
     parser.add_argument("--probe-mb", type=float, default=2.0)
     parser.add_argument("--known-caps", action="store_true", help="give peers their true caps instead of probing")
     parser.add_argument("--logdir", default=None)
+    parser.add_argument("--tcp-floor", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the dedloc plan's two phases with plain TCP (tcp_s, measured_over_tcp)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"],
+                        help="peers' log level (DEBUG adds each round's transfer timeline)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: namespaces are removed
     ok, why = available()
