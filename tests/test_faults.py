@@ -14,7 +14,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
 from dedloc.averaging.matchmaking import Matchmaker
-from dedloc.averaging.wire import Kind, read_header, write_frame
+from dedloc.averaging.wire import Kind, read_header, read_payload_into, write_frame
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import AveragingError, MatchmakingError, ProtocolError, RuntimeClosedError
 from dedloc.net import rpc
@@ -149,6 +149,14 @@ def test_hostile_member_and_hostile_streams_are_rejected(make_peers):
                     except (ConnectionError, ProtocolError):  # a refused payload is not read (no credits)
                         answers[(step, j)] = "dropped"
                     w.close()
+                    _, r, w = await node.p2p.call_binary_stream_handler(
+                        PeerID.from_base58(group.members[j].peer_id), f"dedloc.{node.config.run_id}.allreduce")
+                    await write_frame(w, Kind.PULL, group.round_id, j)
+                    header = await asyncio.wait_for(read_header(r), 20)
+                    if header.kind == Kind.RESULT:
+                        await read_payload_into(r, w, header, torch.empty(header.numel))
+                    answers[("pull", step, j)] = header.kind
+                    w.close()
             # garbage and a version mismatch on the averaging stream, and a bad join request
             target = PeerID.from_base58(peers[0].peer_id)
             _, r, w = await node.p2p.call_binary_stream_handler(target, f"dedloc.{node.config.run_id}.allreduce")
@@ -173,9 +181,12 @@ def test_hostile_member_and_hostile_streams_are_rejected(make_peers):
         excluded = set().union(*(s["excluded"] for s in stats))
         assert len(excluded) == 1 and excluded.isdisjoint({p.peer_id for p in peers}), excluded
         assert all(s["group_size"] == 4 for s in stats)
-    # the hostile member still got results (it is told nothing it could not compute itself)
-    kinds = [kind for key, kind in answers.items() if isinstance(key, tuple)]
-    assert set(kinds) <= {Kind.RESULT, "dropped"} and Kind.RESULT in kinds, kinds
+    # each bad contribution was refused with a reason (or not read at all), yet the hostile member
+    # still got every result (it is told nothing it could not compute itself)
+    kinds = [kind for key, kind in answers.items() if isinstance(key, tuple) and key[0] != "pull"]
+    assert set(kinds) <= {Kind.ERROR, "dropped"} and Kind.ERROR in kinds, kinds
+    pulls = [kind for key, kind in answers.items() if isinstance(key, tuple) and key[0] == "pull"]
+    assert pulls and set(pulls) == {Kind.RESULT}, pulls
     assert answers["garbage"] == Kind.ERROR
     assert "version mismatch" in answers["join"]["error"]
     # honest peers carry on

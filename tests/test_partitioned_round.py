@@ -103,3 +103,29 @@ def test_results_go_to_every_member_at_once():
         sent = {label: t for label, t in rnd.stats.payloads if label.startswith(f"r{j}>")}
         assert len(sent) == 3
         assert max(t.start for t in sent.values()) < min(t.end for t in sent.values()), sent
+
+
+def test_a_contribution_failing_after_its_part_streamed_fails_the_part_over():
+    """Member 3's contribution to part 0 turns NaN in its last segment, after aggregator 0 has
+    fixed the contributors and begun streaming the result. Aggregator 0 abandons the part and
+    cuts its result streams; everyone (aggregator 0 too) takes part 0 from its backup, which
+    re-reduces it without member 3. The other parts include member 3 as usual."""
+    numel = 3_000_001  # parts of 750k floats: three 1 MiB segments each
+    group = Group(RID, 0, tuple(Member(f"p{i}", 1.0, 1.0) for i in range(4)))
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(numel, generator=gen) for _ in range(4)]
+    s, e = group.part_bounds(numel)[0]
+    xs[3][e - 1] = float("nan")
+
+    outs, rounds = asyncio.run(run_rounds(group, xs, [PartitionedRound] * 4))
+
+    for out in outs:
+        assert isinstance(out, torch.Tensor), out
+        assert torch.equal(out, outs[0])
+    full = sum(xs) / 4
+    torch.testing.assert_close(outs[0][e:], full[e:])
+    without_3 = [(xs[1] + xs[2]) / 2, (xs[0] + xs[1] + xs[2]) / 3]  # aggregator 0's re-sent copy is optional
+    assert any(torch.allclose(outs[0][s:e], ref[s:e], atol=1e-5) for ref in without_3)
+    assert all(r.stats.failovers == 1 for r in rounds)
+    assert "f0>1" in labels(rounds[0]) and "f0>1" in labels(rounds[2]) and "r0<1" in labels(rounds[3])
+    assert rounds[0].stats.excluded == {"p3": "contains NaN or inf values"}

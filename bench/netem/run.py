@@ -9,8 +9,9 @@ per configuration:
     config, peers, ring_s, butterfly_s, bandwidth_share_s, dedloc_s, predicted_s,
     speedup_vs_ring, measured_over_predicted, plan (strategy, shares), model predictions of the
     baselines, and the plan the LP makes from the true caps (ideal_*); tcp_s and
-    measured_over_tcp: the dedloc plan's traffic sent with plain TCP (bench/netem/tcp_floor.py),
-    what the emulated links allow without our stack
+    measured_over_tcp: the dedloc plan's traffic sent with plain TCP, all flows at once as a
+    streamed round overlaps them (bench/netem/tcp_floor.py), what the emulated links allow
+    without our stack; tcp_two_phase_s: the same, phase 2 after phase 1
 
 Round time = the slowest member's all-reduce time after matchmaking, median over --rounds.
 Each round's result is checked: identical on every member and equal to the weighted mean.
@@ -146,13 +147,14 @@ def run_config(name: str, specs: list[Spec], args, logdir: str) -> dict:
         nbytes = args.numel * 4
         tcp = None
         if args.tcp_floor and plan_info:  # the same plan's traffic, with nothing but kernel TCP
-            runs = [tcp_floor.two_phase_seconds([net.exec_args(i) for i in range(len(specs))],
-                                                [net.ip(i) for i in range(len(specs))],
-                                                [plan_info.get(pid, 0.0) for pid in ids],
-                                                [not s.aggregator_only for s in specs],
-                                                [not s.aggregator_only for s in specs], nbytes)
-                    for _ in range(args.rounds)]
-            tcp = {"s": statistics.median(sum(r) for r in runs), "runs": [[round(x, 2) for x in r] for r in runs]}
+            floor_args = ([net.exec_args(i) for i in range(len(specs))], [net.ip(i) for i in range(len(specs))],
+                          [plan_info.get(pid, 0.0) for pid in ids], [not s.aggregator_only for s in specs],
+                          [not s.aggregator_only for s in specs], nbytes)
+            both = [tcp_floor.overlapped_seconds(*floor_args) for _ in range(args.rounds)]
+            phases = [tcp_floor.two_phase_seconds(*floor_args) for _ in range(args.rounds)]
+            tcp = {"s": statistics.median(both), "runs": [round(x, 2) for x in both],
+                   "two_phase_s": statistics.median(sum(r) for r in phases),
+                   "phases": [[round(x, 2) for x in r] for r in phases]}
         truth = plan_peers(specs, ids)
         ideal = lp.choose(truth, nbytes)
         med = {k: statistics.median(v) for k, v in results.items()}
@@ -170,7 +172,9 @@ def run_config(name: str, specs: list[Spec], args, logdir: str) -> dict:
             else round(med["dedloc"] / predicted, 2),
             "tcp_s": round(tcp["s"], 2) if tcp else None,
             "measured_over_tcp": round(med["dedloc"] / tcp["s"], 2) if tcp and "dedloc" in med else None,
-            "tcp_phases_s": tcp["runs"] if tcp else None,
+            "tcp_runs_s": tcp["runs"] if tcp else None,
+            "tcp_two_phase_s": round(tcp["two_phase_s"], 2) if tcp else None,
+            "tcp_phases_s": tcp["phases"] if tcp else None,
             "plan_strategy": leader_plan["strategy"] if leader_plan else None,
             "plan_shares": [round(plan_info.get(pid, 0.0), 3) for pid in ids] if plan_info else None,
             "ideal_strategy": ideal.strategy, "ideal_predicted_s": round(ideal.predicted_s, 2),
@@ -201,7 +205,7 @@ def main() -> None:
     parser.add_argument("--known-caps", action="store_true", help="give peers their true caps instead of probing")
     parser.add_argument("--logdir", default=None)
     parser.add_argument("--tcp-floor", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run the dedloc plan's two phases with plain TCP (tcp_s, measured_over_tcp)")
+                        help="also send the dedloc plan's traffic with plain TCP (tcp_s, tcp_two_phase_s, measured_over_tcp)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"],
                         help="peers' log level (DEBUG adds each round's transfer timeline)")
     args = parser.parse_args()

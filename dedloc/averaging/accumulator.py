@@ -16,24 +16,28 @@ class PartAccumulator:
     is either a contributor, rejected (with its reason) or timed out, never two of these.
     """
 
-    def __init__(self, expected: set[int], numel: int, zeros: torch.Tensor | None = None):
-        """``zeros``: a float32 buffer of ``numel`` zeros to accumulate in (default: a new one)."""
+    def __init__(self, expected: set[int], numel: int, zeros: torch.Tensor | None = None,
+                 optional: set[int] = frozenset()):
+        """``zeros``: a float32 buffer of ``numel`` zeros to accumulate in (default: a new one).
+        ``optional``: senders taken if they arrive in time, but never waited for."""
         if zeros is not None and (zeros.numel() != numel or zeros.dtype != torch.float32):
             raise ValueError(f"accumulator buffer must be {numel} float32 zeros")
         self.sum = zeros if zeros is not None else torch.zeros(numel, dtype=torch.float32)
         self.total_weight = 0.0
         self.pending = set(expected)
+        self.optional = set(optional) - self.pending
         self.contributors: list[int] = []
         self.rejected: dict[int, str] = {}
         self.closed = False
         self._changed = asyncio.Event()
 
     def add(self, sender: int, weight: float, data: torch.Tensor) -> bool:
-        if self.closed or sender not in self.pending:
+        if self.closed or (sender not in self.pending and sender not in self.optional):
             return False
         self.sum.add_(data, alpha=weight)
         self.total_weight += weight
         self.pending.discard(sender)
+        self.optional.discard(sender)
         self.contributors.append(sender)
         self._changed.set()
         return True

@@ -1,15 +1,19 @@
-"""Partitioned all-reduce (reduce-scatter, then all-gather) with failover of parts.
+"""Partitioned all-reduce (reduce-scatter and all-gather, streamed into each other) with failover of parts.
 
 Member ``j`` with share > 0 aggregates part ``j`` of the vector (boundaries from the shares).
-Every member opens one stream per other aggregator, sends its part-``j`` contribution and
-reads back the averaged part on the same stream, so client-mode peers (which accept no
-connections) take full part. See docs/averaging.md for the protocol and its failure semantics.
+Every member opens two streams per other aggregator: one sends its part-``j`` contribution, the
+other pulls the averaged part, which the aggregator streams segment by segment as soon as every
+contributor's segment is in (dedloc.averaging.streamed_part). Members open every stream, so
+client-mode peers (which accept no connections) take full part. See docs/averaging.md for the
+protocol and its failure semantics.
 
 Guarantees:
 - the result is the sample-weighted mean over the contributions that arrived, renormalised;
   each part is computed by exactly one peer and copied to all, so all members hold identical values;
-- a sender that dies or stalls is excluded at the reduce deadline; a bad contribution (size,
-  dtype, weight, NaN/inf) is rejected with a logged reason naming the peer;
+- a sender that dies, stalls or sends a bad contribution (size, dtype, weight, NaN/inf) before
+  its aggregator fixed the part's contributors is excluded (with a logged reason naming the
+  peer); after that, the aggregator abandons the part, cuts its result streams, and every
+  member fails the part over to its backup, which re-reduces it without the failed sender;
 - an aggregator that dies is replaced by the next aggregator (its backup), which serves the
   aggregator's result if it got it and otherwise re-reduces the part from re-sent contributions.
   The aggregator sends its result to all members at once, but holds back the last credit unit of
@@ -30,8 +34,9 @@ import torch
 from dedloc.averaging.accumulator import PartAccumulator
 from dedloc.averaging.buffers import BufferPool
 from dedloc.averaging.group import Group
-from dedloc.averaging.wire import (Header, Kind, ProtocolError, read_error_text, read_header, read_payload_into,
-                                   write_error, write_frame)
+from dedloc.averaging.streamed_part import PartAbandoned, StreamedPart
+from dedloc.averaging.wire import (Header, Kind, ProtocolError, check_payload, read_error_text, read_header,
+                                   read_payload_into, write_error, write_frame)
 from dedloc.errors import AveragingError
 from dedloc.net.bulk import Transfer, busy_seconds
 from dedloc.net.rpc import wait_peer_closed
@@ -111,7 +116,8 @@ class PartitionedRound:
         start = loop.time()
         self._t0 = time.monotonic()
         self._reduced_at = 0.0
-        self.reduce_deadline = start + 0.4 * timeout
+        self.start_deadline = start + 0.25 * timeout  # every contribution stream opens at the round's start
+        self.reduce_deadline = start + 0.5 * timeout  # contributions stream until near the end: results follow them
         self.result_deadline = start + 0.6 * timeout
         self.failover_deadline = start + 0.85 * timeout
         self.deadline = start + timeout
@@ -120,27 +126,29 @@ class PartitionedRound:
         self._have = {j: loop.create_future() for j in self.aggregators}
         self._failovers: dict[int, _Failover] = {}
         self._failover_tasks: list[asyncio.Task] = []
+        self.part: StreamedPart | None = None
+        self._expiry: asyncio.TimerHandle | None = None
         if me in self.aggregators:
             s, e = self.bounds[me]
-            self.acc = PartAccumulator(self.senders, e - s, self.pool.take(e - s, zero=True))
-        self._own_ready = asyncio.Event()
+            out = self.output[s:e]
+            # not pooled: result streams may read it after run() has returned
+            wire = out if self.wire_dtype == torch.float32 else torch.empty(e - s, dtype=self.wire_dtype)
+            self.part = StreamedPart(self.senders, out, wire)
+            self._expiry = loop.call_at(self.reduce_deadline, self.part.expire)
+            self._start_expiry = loop.call_at(self.start_deadline, self.part.expire_unstarted)
         fetch = group.members[me].fetch
         self._exchanges = [j for j in self.aggregators if j != me and (fetch or group.backup(j) == me)]
-        self._unsent = set(self._exchanges)
         self.undelivered = {k for k, m in enumerate(group.members) if m.fetch and k != me} \
             if me in self.aggregators else set()
         """Members that have not yet received this member's part (a leaving peer waits for them)."""
         self.served = asyncio.Event()
         """Set once this member's part reached every member, or at the result deadline (after it,
-        members fetch from the backup): from then on this member sends nothing more in this round."""
+        members fetch from the backup), or once the part is abandoned: from then on this member
+        serves nothing more in this round."""
         if not self.undelivered:
             self.served.set()
         else:
             loop.call_at(self.result_deadline, self.served.set)
-        self._sent_all = asyncio.Event()
-        if not self._unsent:
-            self._sent_all.set()
-        self._own_error: str | None = None
         self._backup_connected = False
         self._backup_ok: asyncio.Future = loop.create_future()
 
@@ -233,40 +241,23 @@ class PartitionedRound:
             raise AveragingError(f"{self._prefix()}: {len(errors)} part(s) could not be averaged: {errors[0]}")
         return self.output
 
-    def _sent(self, j: int) -> None:
-        """This member's contribution to part ``j`` is written (or will never be)."""
-        self._unsent.discard(j)
-        if not self._unsent:
-            self._sent_all.set()
-
-    async def _phase_one_done(self) -> None:
-        """Wait until this member has sent all its contributions, at most until the reduce deadline.
-
-        An aggregator's results then never compete for its uplink with its own contributions to
-        other parts, which the other parts' aggregators are still waiting for: the round runs as
-        the planner's two-phase model assumes, and slow uplinks finish phase one first.
-        """
-        try:
-            left = self.reduce_deadline - asyncio.get_running_loop().time()
-            await asyncio.wait_for(self._sent_all.wait(), max(0.0, left))
-        except asyncio.TimeoutError:
-            pass
-
     async def _exchange(self, j: int) -> None:
+        """Contribute to part ``j`` (if this member has weight) and pull its result, both at once;
+        fail the part over to its backup if the result does not come whole."""
+        contribution = asyncio.create_task(self._contribute(j)) if self.weight > 0 else None
         reason = ""
         try:
             async with asyncio.timeout_at(self.result_deadline):
                 reader, writer = await self.open_stream(self._name(j))
                 try:
-                    self.stats.add_sent(await write_frame(writer, Kind.CONTRIB, self.group.round_id, j,
-                                                          self.weight, self._contribution(j), self.chunk_bytes,
-                                                          reader), f"c{j}>{j}")
-                    self._sent(j)
+                    await write_frame(writer, Kind.PULL, self.group.round_id, j)
                     await self._read_result(reader, writer, j, j)
                     self._have[j].set_result(True)
                     if self.group.backup(j) == self.me:
                         await self._confirm(writer, j)
                         await wait_peer_closed(reader, ACK_GRACE)  # we wrote last: let the ACK arrive
+                    if contribution is not None:  # its last credits may still be on the way
+                        await asyncio.wait({contribution})
                     return
                 finally:
                     writer.close()
@@ -275,11 +266,28 @@ class PartitionedRound:
         except Exception as e:
             reason = f"{type(e).__name__}: {e}"
         finally:
-            self._sent(j)
+            if contribution is not None and not contribution.done():
+                contribution.cancel()
+                await asyncio.gather(contribution, return_exceptions=True)
         if self._have[j].done():  # got the result; only the ACK failed
             return
         self._have[j].set_result(False)
         await self._failover(j, reason)
+
+    async def _contribute(self, j: int) -> None:
+        """Send this member's contribution to part ``j``; a refusal is logged (the result still comes)."""
+        try:
+            async with asyncio.timeout_at(self.reduce_deadline):
+                reader, writer = await self.open_stream(self._name(j))
+                try:
+                    self.stats.add_sent(await write_frame(writer, Kind.CONTRIB, self.group.round_id, j, self.weight,
+                                                          self._contribution(j), self.chunk_bytes, reader), f"c{j}>{j}")
+                finally:
+                    writer.close()
+        except ProtocolError as e:
+            logger.warning(f"{self._prefix()}: aggregator {self._name(j)} did not take our contribution to part {j}: {e}")
+        except Exception as e:
+            logger.debug(f"{self._prefix()}: contribution to part {j} did not arrive: {e!r}")
 
     async def _confirm(self, writer: asyncio.StreamWriter, j: int) -> None:
         """As part ``j``'s backup, tell its aggregator that we hold its result (it completes
@@ -288,10 +296,11 @@ class PartitionedRound:
 
     async def _failover(self, j: int, reason: str) -> None:
         b = self.group.backup(j)
-        logger.warning(f"{self._prefix()}: aggregator {self._name(j)} failed for part {j} ({reason}); "
+        who = "we abandoned our part" if j == self.me else f"aggregator {self._name(j)} failed for part {j}"
+        logger.warning(f"{self._prefix()}: {who} ({reason}); "
                        + (f"failing over to {self._name(b)}" if b is not None else "no backup"))
         if b is None:
-            raise AveragingError(f"aggregator {self._name(j)} failed ({reason}) and part {j} has no backup")
+            raise AveragingError(f"{who} ({reason}) and part {j} has no backup")
         self.stats.failovers += 1
         if b == self.me:
             state = self._failover_state(j)
@@ -310,27 +319,27 @@ class PartitionedRound:
 
     # ---- aggregator side ---------------------------------------------------------------------
     async def _aggregate_own_part(self) -> None:
+        """Add our own contribution, wait for the part to be produced (or abandoned: then fetch it
+        from the backup like every other member)."""
+        part = self.part
         s, e = self.bounds[self.me]
         try:
             if self.weight > 0:
-                self.acc.add(self.me, self.weight, self.local[s:e])
-            await self.acc.wait(self.reduce_deadline)
+                part.add_local(self.me, self.weight, self.local[s:e])
+            await part.done.wait()
             self._reduced_at = time.monotonic()
-            mean = self.acc.finish()
-            self.output[s:e] = self._rounded(mean)
-            self.pool.give(mean)
-            self.stats.part_weights[self.me] = self.acc.total_weight
-            for k, why in self.acc.rejected.items():
+            for k, why in part.rejected.items():
                 self.stats.excluded[self._name(k)] = why
-            self._have[self.me].set_result(True)
-        except Exception as e:
-            self._own_error = str(e)
-            self._have[self.me].set_result(False)
-            raise
         finally:
-            self._own_ready.set()
             if not self._backup_connected and not self._backup_ok.done():
                 self._backup_ok.set_result(True)  # backup never showed up: it cannot hold a stale copy
+        if part.failed is None:
+            self.stats.part_weights[self.me] = part.total_weight
+            self._have[self.me].set_result(True)
+            return
+        self._have[self.me].set_result(False)
+        self.served.set()  # members fetch this part from the backup now
+        await self._failover(self.me, part.failed)
 
     async def _receive(self, k: int, header: Header, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                        part: int, acc: PartAccumulator) -> None:
@@ -364,10 +373,19 @@ class PartitionedRound:
 
     async def _send_result(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, part: int,
                            weight: float, to: int, hold: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Send a finished part (a failover's re-reduce)."""
         s, e = self.bounds[part]
         self.stats.add_sent(await write_frame(writer, Kind.RESULT, self.group.round_id, part, weight,
                                               self._to_wire(self.output[s:e]), self.chunk_bytes, reader, hold),
                             f"r{part}>{to}")
+
+    async def _stream_result(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, to: int,
+                             hold: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Send our part as it is produced; raises PartAbandoned (the caller cuts the stream)."""
+        part = self.part
+        self.stats.add_sent(await write_frame(writer, Kind.RESULT, self.group.round_id, self.me, part.total_weight,
+                                              part.wire, self.chunk_bytes, reader, hold, supply=part),
+                            f"r{self.me}>{to}")
 
     async def handle(self, peer_id: str, header: Header, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> bool:
@@ -379,8 +397,10 @@ class PartitionedRound:
             logger.warning(f"{self._prefix()}: peer {peer_id} is not a member of this round; refused")
             await write_error(writer, self.group.round_id, "not a member of this round")
             return True
-        if header.kind == Kind.CONTRIB and self.me in self.aggregators:
+        if header.kind == Kind.CONTRIB and self.part is not None:
             return await self._serve_contribution(k, header, reader, writer)
+        if header.kind == Kind.PULL and self.part is not None and header.part == self.me:
+            return await self._serve_result(k, reader, writer)
         if header.kind == Kind.FAILOVER and self.group.backup(header.part) == self.me:
             return await self._serve_failover(k, header, reader, writer)
         logger.warning(f"{self._prefix()}: unexpected {header.kind.name} for part {header.part} from {peer_id}")
@@ -389,27 +409,73 @@ class PartitionedRound:
 
     async def _serve_contribution(self, k: int, header: Header, reader: asyncio.StreamReader,
                                   writer: asyncio.StreamWriter) -> bool:
+        """Read member ``k``'s contribution into the streamed part as it arrives. Answers ERROR if it
+        is refused (before reading, or after: NaN/inf); a sender that leaves is taken out."""
+        part, member = self.part, self.group.members[k]
+        s, e = self.bounds[self.me]
+        buf, began = None, False
+        try:
+            if header.part != self.me:
+                raise ProtocolError(f"sent part {header.part}, expected part {self.me}")
+            if member.weight <= 0:
+                raise ProtocolError("a member with weight 0 has nothing to contribute")
+            if abs(header.weight - member.weight) > 1e-6 * max(1.0, member.weight):
+                raise ProtocolError(f"weight {header.weight} differs from the agreed {member.weight}")
+            buf = self.pool.take(e - s, self.wire_dtype)
+            check_payload(header, buf)
+            if not part.begin(k, member.weight, buf):
+                raise ProtocolError("too late, or a second contribution: this part does not expect one from you")
+            began = True
+            size = buf.element_size()
+            self.stats.add_received(
+                await read_payload_into(reader, writer, header, buf, lambda n: part.progress(k, n // size)),
+                f"c{self.me}<{k}")
+        except ProtocolError as e:
+            logger.warning(f"{self._prefix()}: rejected contribution of peer {member.peer_id} to part {self.me}: {e}")
+            if not began and part.contributors is None and k in part.pending:  # a bad first stream: left out
+                part.reject(k, str(e))
+                self.stats.excluded[member.peer_id] = str(e)
+            await write_error(writer, self.group.round_id, str(e))
+            return True
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            logger.info(f"{self._prefix()}: peer {member.peer_id} left while sending part {self.me}")
+            part.reject(k, f"disconnected: {e}")
+            return False
+        finally:
+            if buf is not None:
+                await part.done.wait()  # the part reads the buffer until then
+                self.pool.give(buf)
+        if k in part.rejected:  # e.g. NaN/inf, found when the part checked it
+            logger.warning(f"{self._prefix()}: rejected contribution of peer {member.peer_id} to part {self.me}: "
+                           f"{part.rejected[k]}")
+            await write_error(writer, self.group.round_id, part.rejected[k])
+            return True
+        return False
+
+    async def _serve_result(self, k: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Stream our part to member ``k`` as it is produced. The backup's copy goes unheld and is
+        answered by its ACK; every other copy holds its last credit unit until that ACK. If the
+        part is abandoned, the stream is cut mid-payload and the member fails over."""
         is_backup = self.group.backup(self.me) == k
         if is_backup:
             self._backup_connected = True
         try:
-            await self._receive(k, header, reader, writer, self.me, self.acc)
-        except ConnectionError:
-            if is_backup and not self._backup_ok.done():
-                self._backup_ok.set_result(True)  # a backup that left holds no copy and serves no failover
-            self._delivered(k)  # its stream is gone: nothing more can be delivered to it here
-            return False
+            return await self._serve_result_to(k, is_backup, reader, writer)
+        finally:
+            self._delivered(k)  # delivered, or never will be from here (the member fails over)
+
+    async def _serve_result_to(self, k: int, is_backup: bool, reader: asyncio.StreamReader,
+                               writer: asyncio.StreamWriter) -> bool:
         try:
             async with asyncio.timeout_at(self.result_deadline):
-                await self._own_ready.wait()
-                await self._phase_one_done()
-                if self._own_error:
-                    await write_error(writer, self.group.round_id, self._own_error)
+                try:
+                    await self.part.committed()
+                except PartAbandoned as e:
+                    await write_error(writer, self.group.round_id, str(e))
                     return True
                 if is_backup:  # the backup writes last here (its ACK)
                     try:
-                        await self._send_result(reader, writer, self.me, self.acc.total_weight, k)
-                        self._delivered(k)
+                        await self._stream_result(reader, writer, k)
                         acked = (await read_header(reader)).kind == Kind.ACK
                     except (ConnectionError, asyncio.IncompleteReadError):
                         acked = True  # the backup is gone: it cannot serve a stale failover
@@ -420,13 +486,15 @@ class PartitionedRound:
                     await write_error(writer, self.group.round_id, "backup did not confirm the result; fail over")
                     return True
                 try:  # sent alongside the backup's copy, but completed only once the backup has confirmed it
-                    await self._send_result(reader, writer, self.me, self.acc.total_weight, k, hold=self._confirmed)
+                    await self._stream_result(reader, writer, k, hold=self._confirmed)
                 except _Unconfirmed:
                     logger.debug(f"{self._prefix()}: withheld the end of part {self.me} from {self._name(k)}: "
                                  f"the backup did not confirm it")
                     return False  # the stream closes mid-payload: the member fails over to the backup
-                self._delivered(k)
                 return True
+        except PartAbandoned as e:
+            logger.debug(f"{self._prefix()}: cut part {self.me}'s result to {self._name(k)}: {e}")
+            return False
         except Exception as e:
             if is_backup and not self._backup_ok.done():
                 self._backup_ok.set_result(False)
@@ -442,7 +510,9 @@ class PartitionedRound:
     def _failover_state(self, j: int) -> _Failover:
         if j not in self._failovers:
             s, e = self.bounds[j]
-            state = _Failover(PartAccumulator(self.senders - {j}, e - s, self.pool.take(e - s, zero=True)))
+            # the failed aggregator is not waited for, but taken if it abandoned its part and re-sends
+            state = _Failover(PartAccumulator(self.senders - {j}, e - s, self.pool.take(e - s, zero=True),
+                                              optional={j} & self.senders))
             self._failovers[j] = state
             self._failover_tasks.append(asyncio.create_task(self._run_failover(j, state)))
         return self._failovers[j]
@@ -483,6 +553,10 @@ class PartitionedRound:
         return True
 
     def close(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._start_expiry.cancel()
+            self.part.abandon("the round ended")
         for t in self._failover_tasks:
             t.cancel()
 

@@ -24,8 +24,9 @@ from dedloc.errors import ProtocolError
 from dedloc.net import bulk
 
 MAGIC = b"DDLC"
-VERSION = 5  # 2: members carry a "fetch" flag, ready records the vector size; 3: payloads are credit-paced;
-# 4: probes are credit-paced too; 5: a credit per 16 KiB (was 64 KiB)
+VERSION = 6  # 2: members carry a "fetch" flag, ready records the vector size; 3: payloads are credit-paced;
+# 4: probes are credit-paced too; 5: a credit per 16 KiB (was 64 KiB); 6: results are pulled on a stream
+# of their own (PULL) and streamed while contributions still arrive
 HEADER = struct.Struct("<4sHBB16sIdQ")
 MAX_ERROR_BYTES = 4096
 
@@ -38,6 +39,7 @@ class Kind(enum.IntEnum):
     ACK = 5  # backup -> aggregator: the RESULT arrived whole
     FETCH = 6  # member -> group representative: send me the final (hierarchical) result
     RING = 7  # ring all-reduce chunk; part = step index
+    PULL = 8  # member -> aggregator: send me your part's RESULT on this stream
 
 
 DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}
@@ -105,10 +107,12 @@ def _bytes_view(t: torch.Tensor) -> np.ndarray:
 async def write_frame(writer: asyncio.StreamWriter, kind: Kind, round_id: bytes, part: int = 0,
                       weight: float = 0.0, tensor: torch.Tensor | None = None, chunk_bytes: int = 4 << 20,
                       reader: asyncio.StreamReader | None = None,
-                      hold: Callable[[], Awaitable[None]] | None = None) -> bulk.Transfer | None:
+                      hold: Callable[[], Awaitable[None]] | None = None,
+                      supply: bulk.Supply | None = None) -> bulk.Transfer | None:
     """Write one frame; a tensor (CPU, contiguous) goes as raw bytes in large chunks, paced by the
     receiver's credits read from ``reader`` (dedloc.net.bulk). Returns once the payload is credited,
-    with its timing (None without a payload).
+    with its timing (None without a payload). With ``supply``, the tensor is still being produced:
+    only the bytes the supply reports ready are written (bulk.send_paced).
 
     With ``hold``, the payload's last credit unit is written only once ``await hold()`` returns, so
     the receiver cannot complete the frame before then; if ``hold`` raises, the frame is left
@@ -124,11 +128,11 @@ async def write_frame(writer: asyncio.StreamWriter, kind: Kind, round_id: bytes,
     view = memoryview(_bytes_view(tensor))
     try:
         if hold is None:
-            return await bulk.send_paced(writer, reader, view, chunk_bytes)
+            return await bulk.send_paced(writer, reader, view, chunk_bytes, supply)
         head = max(0, len(view) - 1) // bulk.UNIT * bulk.UNIT  # whole units: the receiver credits all of them
-        first = await bulk.send_paced(writer, reader, view[:head], chunk_bytes)
+        first = await bulk.send_paced(writer, reader, view[:head], chunk_bytes, supply)
         await hold()
-        last = await bulk.send_paced(writer, reader, view[head:], chunk_bytes)
+        last = await bulk.send_paced(writer, reader, view[head:], chunk_bytes, bulk.shifted(supply, head))
         return bulk.Transfer(len(view), first.start, first.end + last.seconds, max(first.queue_s, last.queue_s))
     except bulk.ReceiverAnswered as e:
         why = await _refusal(reader)
@@ -157,14 +161,20 @@ async def read_error_text(reader: asyncio.StreamReader, header: Header) -> str:
     return data.decode(errors="replace")
 
 
-async def read_payload_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None, header: Header,
-                            out: torch.Tensor) -> bulk.Transfer:
-    """Read the frame's payload into ``out`` (sending credits through ``writer``); the header must
-    match out's numel and dtype, else ProtocolError and nothing is read. Returns its timing."""
+def check_payload(header: Header, out: torch.Tensor) -> None:
+    """Raise ProtocolError unless the frame's payload fits ``out`` exactly (numel and dtype)."""
     if header.dtype != out.dtype:
         raise ProtocolError(f"dtype mismatch: expected {out.dtype}, got {header.dtype}")
     if header.numel != out.numel():
         raise ProtocolError(f"size mismatch: expected {out.numel()} elements, got {header.numel}")
+
+
+async def read_payload_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None, header: Header,
+                            out: torch.Tensor, on_progress: Callable[[int], None] | None = None) -> bulk.Transfer:
+    """Read the frame's payload into ``out`` (sending credits through ``writer``); the header must
+    match out's numel and dtype, else ProtocolError and nothing is read. ``on_progress(bytes so
+    far)`` is called as the payload arrives. Returns its timing."""
+    check_payload(header, out)
     if not out.is_contiguous():
         raise ValueError("read_payload_into needs a contiguous tensor")
-    return await bulk.recv_into(reader, writer, memoryview(_bytes_view(out)))
+    return await bulk.recv_into(reader, writer, memoryview(_bytes_view(out)), on_progress)

@@ -11,6 +11,10 @@ docs/wire.md). For its first ``MIN_SPAN`` seconds a payload's window only double
 (slow start): a rate taken over milliseconds measures buffers, not the link. On fast links the
 window still reaches ``MAX_WINDOW`` within a few round trips, and pacing costs nothing measurable.
 
+**Produced while sent.** A payload can be written while it is still being produced (an
+averaged part, reduced as its contributions arrive): the sender then writes only what its
+``Supply`` reports ready, and an error from the supply abandons the payload mid-way.
+
 **Zero-copy reads.** A payload of at least ``ZEROCOPY_MIN`` bytes is read straight from the
 stream's socket into the destination buffer (what the stream reader already buffered is copied
 first), instead of through asyncio's reader, which copies every byte three times.
@@ -28,7 +32,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 from dedloc.errors import ProtocolError
 
@@ -116,6 +120,35 @@ async def _take_credits(reader: asyncio.StreamReader, limit: int) -> int:
     return len(data)
 
 
+class Supply(Protocol):
+    """Bytes of a payload that are produced while it is sent (a result reduced as its inputs
+    arrive): the sender writes only what is ready."""
+
+    def ready(self) -> int:
+        """How many bytes from the payload's start may be sent now."""
+
+    async def wait(self, beyond: int) -> None:
+        """Return once ``ready() > beyond``; raise to abandon the payload (the caller then closes
+        the stream, and its reader sees the payload cut short)."""
+
+
+class _Shifted:
+    """``supply`` seen from byte ``offset`` of its payload."""
+
+    def __init__(self, supply: Supply, offset: int):
+        self.supply, self.offset = supply, offset
+
+    def ready(self) -> int:
+        return self.supply.ready() - self.offset
+
+    async def wait(self, beyond: int) -> None:
+        await self.supply.wait(beyond + self.offset)
+
+
+def shifted(supply: Supply | None, offset: int) -> Supply | None:
+    return None if supply is None or offset == 0 else _Shifted(supply, offset)
+
+
 async def _unless(failed: "asyncio.Task[None]", wait: Callable[[], Awaitable[Any]]) -> None:
     """Await ``wait()``, but raise at once if the task ``failed`` ends with an error first (if it
     ends cleanly, ``wait()`` is simply awaited)."""
@@ -135,9 +168,10 @@ async def _unless(failed: "asyncio.Task[None]", wait: Callable[[], Awaitable[Any
 
 
 async def send_paced(writer: asyncio.StreamWriter, reader: asyncio.StreamReader, view: memoryview,
-                     chunk_bytes: int) -> Transfer:
+                     chunk_bytes: int, supply: Supply | None = None) -> Transfer:
     """Write ``view`` (bytes) paced by the receiver's credits; returns once all of it is credited,
-    with its timing and the queueing delay it saw.
+    with its timing and the queueing delay it saw. With ``supply``, only the bytes it reports
+    ready are written (the rest as they become ready); its errors propagate.
 
     Credits are read as they arrive, by a task of their own, so a sender blocked on a full
     transport still times them (and still learns at once that the receiver answered)."""
@@ -171,7 +205,11 @@ async def send_paced(writer: asyncio.StreamWriter, reader: asyncio.StreamReader,
                 more.clear()
                 await _unless(credits, more.wait)
                 continue
-            n = min(chunk_bytes, room, total - sent)
+            ready = total if supply is None else min(total, supply.ready())
+            if ready <= sent:
+                await _unless(credits, lambda: supply.wait(sent))
+                continue
+            n = min(chunk_bytes, room, ready - sent)
             writer.write(view[sent:sent + n])
             sent += n
             written.append((sent, time.monotonic()))

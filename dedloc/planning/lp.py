@@ -1,21 +1,21 @@
 """The averaging plan as a linear program: who aggregates which share of the vector.
 
-Model (docs/planning.md derives it). A round is a reduce-scatter phase (every sender ships
-each aggregator its part) followed by an all-gather phase (every aggregator ships its averaged
-part to every peer that needs the result). With the vector normalised to size 1 and peer ``i``
-aggregating the fraction ``g_i``, the phases last ``T1`` and ``T2`` with
+Model (docs/planning.md derives it). A round moves two kinds of traffic: every sender ships
+each aggregator its part (reduce-scatter), and every aggregator ships its averaged part to
+every peer that needs the result (all-gather). The round streams each part's result while its
+contributions still arrive, so the two overlap, and a link is busy for its bytes of both. With
+the vector normalised to size 1 and peer ``i`` aggregating the fraction ``g_i``, the round
+lasts ``T`` with
 
-    phase 1   upload    s_i (1 - g_i)            <= u_i T1
-              download  (S - s_i) g_i            <= d_i T1
-              pair i->j g_j   (s_i = 1)          <= c_ij T1
-    phase 2   upload    (R - r_i) g_i            <= u_i T2
-              download  r_i (1 - g_i)            <= d_i T2
-              pair j->i g_j   (r_i = 1)          <= c_ji T2
+    upload    s_i (1 - g_i) + (R - r_i) g_i          <= u_i T
+    download  (S - s_i) g_i + r_i (1 - g_i)          <= d_i T
+    pair i->j s_i g_j + r_j g_i                       <= c_ij T
     sum_i g_i = 1,   g_i = 0 for peers that cannot be dialled
 
 where ``s_i``/``r_i`` say whether peer ``i`` sends a gradient / needs the result, ``S``/``R``
 count them, ``u``/``d``/``c`` are upload, download and pairwise rates in vectors per second.
-Minimising ``T1 + T2`` is linear in ``(g, T1, T2)`` and solved with HiGHS. Every function
+Minimising ``T`` is linear in ``(g, T)`` and solved with HiGHS. Each kind of traffic alone
+gives a lower bound too (``reduce_s``, ``gather_s``), which ``T`` always covers. Every function
 here is pure and deterministic: the same inputs give the same plan on every machine.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 from scipy.optimize import linprog
@@ -61,18 +61,16 @@ class Plan:
 
     peer_ids: tuple[str, ...]
     shares: tuple[float, ...]
+    predicted_s: float
+    """Predicted round time for the planned vector size: the busiest link's bytes over its rate."""
     reduce_s: float
-    """Predicted reduce-scatter time for the planned vector size."""
+    """The reduce-scatter traffic alone (a lower bound the round time covers)."""
     gather_s: float
-    """Predicted all-gather time."""
+    """The all-gather traffic alone."""
     strategy: str
     """What the shares amount to: butterfly, parameter-server, byteps or hybrid."""
     solve_s: float = 0.0
     extra: dict = field(default_factory=dict, compare=False)
-
-    @property
-    def predicted_s(self) -> float:
-        return self.reduce_s + self.gather_s
 
     def share_of(self, peer_id: str) -> float:
         return self.shares[self.peer_ids.index(peer_id)]
@@ -107,24 +105,38 @@ def _check(peers: Sequence[PlanPeer], nbytes: float) -> None:
                               f"(upload {p.upload}, download {p.download})")
 
 
+class Prediction(NamedTuple):
+    """A partitioned round's predicted seconds (the LP's model)."""
+
+    round_s: float
+    reduce_s: float
+    """The reduce-scatter traffic alone."""
+    gather_s: float
+    """The all-gather traffic alone."""
+
+
 def predict(peers: Sequence[PlanPeer], shares: Sequence[float], nbytes: float,
-            pairs: dict[tuple[int, int], float] | None = None) -> tuple[float, float]:
-    """Predicted (reduce_s, gather_s) of a partitioned round with these shares (the LP's model)."""
+            pairs: dict[tuple[int, int], float] | None = None) -> Prediction:
+    """Predicted times of a partitioned round with these shares."""
     _check(peers, nbytes)
     g = np.asarray(shares, dtype=float)
     g = g / g.sum()
     up, down = _rates(peers, nbytes)
     s = np.array([p.sends for p in peers], dtype=float)
     r = np.array([p.receives for p in peers], dtype=float)
-    t1 = max(np.max(s * (1 - g) / up), np.max((s.sum() - s) * g / down))
-    t2 = max(np.max((r.sum() - r) * g / up), np.max(r * (1 - g) / down))
+    up1, down1 = s * (1 - g), (s.sum() - s) * g
+    up2, down2 = (r.sum() - r) * g, r * (1 - g)
+    t1 = max(np.max(up1 / up), np.max(down1 / down))
+    t2 = max(np.max(up2 / up), np.max(down2 / down))
+    t = max(np.max((up1 + up2) / up), np.max((down1 + down2) / down))
     for (i, j), c in (pairs or {}).items():
+        if i == j:
+            continue
         c = max(MIN_RATE, c) / nbytes
-        if peers[i].sends and i != j:
-            t1 = max(t1, g[j] / c)
-        if peers[j].receives and i != j:
-            t2 = max(t2, g[i] / c)
-    return float(t1), float(t2)
+        first = g[j] / c if peers[i].sends else 0.0
+        second = g[i] / c if peers[j].receives else 0.0
+        t1, t2, t = max(t1, first), max(t2, second), max(t, first + second)
+    return Prediction(float(t), float(t1), float(t2))
 
 
 def ring_time(peers: Sequence[PlanPeer], nbytes: float) -> float:
@@ -185,7 +197,7 @@ def byteps_shares(peers: Sequence[PlanPeer]) -> list[float] | None:
 # ---- the LP --------------------------------------------------------------------------------------
 def solve(peers: Sequence[PlanPeer], nbytes: float, pairs: dict[tuple[int, int], float] | None = None,
           min_share: float = 0.01, exclude: frozenset[int] = frozenset()) -> Plan:
-    """The shares minimising the predicted round time ``T1 + T2`` (HiGHS).
+    """The shares minimising the predicted round time ``T`` (HiGHS).
 
     ``pairs[(i, j)]`` is a measured rate from peer ``i`` to peer ``j`` in bytes/s (indices into
     ``peers``); peers in ``exclude`` get share 0. Shares below ``min_share / n`` are dropped and
@@ -199,7 +211,7 @@ def solve(peers: Sequence[PlanPeer], nbytes: float, pairs: dict[tuple[int, int],
     s = np.array([p.sends for p in peers], dtype=float)
     r = np.array([p.receives for p in peers], dtype=float)
     S, R = s.sum(), r.sum()
-    T1, T2, Z = n, n + 1, n + 2
+    T, Z = n, n + 1
     rows, cols, vals, rhs = [], [], [], []
 
     def row(entries: list[tuple[int, float]], b: float) -> None:
@@ -209,14 +221,9 @@ def solve(peers: Sequence[PlanPeer], nbytes: float, pairs: dict[tuple[int, int],
         rhs.append(b)
 
     for i in range(n):
-        if s[i]:
-            row([(i, -1.0), (T1, -up[i])], -1.0)                # (1 - g_i) <= u_i T1
-        if S - s[i] > 0 and peers[i].can_aggregate:
-            row([(i, S - s[i]), (T1, -down[i])], 0.0)           # (S - s_i) g_i <= d_i T1
-        if R - r[i] > 0 and peers[i].can_aggregate:
-            row([(i, R - r[i]), (T2, -up[i])], 0.0)             # (R - r_i) g_i <= u_i T2
-        if r[i]:
-            row([(i, -1.0), (T2, -down[i])], -1.0)              # (1 - g_i) <= d_i T2
+        agg = peers[i].can_aggregate
+        row([(i, (R - r[i] - s[i]) if agg else 0.0), (T, -up[i])], -s[i])    # s_i (1 - g_i) + (R - r_i) g_i <= u_i T
+        row([(i, (S - s[i] - r[i]) if agg else 0.0), (T, -down[i])], -r[i])  # (S - s_i) g_i + r_i (1 - g_i) <= d_i T
     for i in range(n):  # Z >= g_i / min(u_i, d_i): the tie-break below spreads load by bandwidth
         if peers[i].can_aggregate:
             row([(i, 1.0 / min(up[i], down[i])), (Z, -1.0)], 0.0)
@@ -224,30 +231,29 @@ def solve(peers: Sequence[PlanPeer], nbytes: float, pairs: dict[tuple[int, int],
         if i == j or not (0 <= i < n and 0 <= j < n):
             continue
         c = max(MIN_RATE, c) / nbytes
-        if s[i] and peers[j].can_aggregate:
-            row([(j, 1.0), (T1, -c)], 0.0)                      # i ships part j to j
-        if r[j] and peers[i].can_aggregate:
-            row([(i, 1.0), (T2, -c)], 0.0)                      # i ships its averaged part to j
-    a_ub = coo_matrix((vals, (rows, cols)), shape=(len(rhs), n + 3)).tocsr()
-    a_eq = coo_matrix(([1.0] * n, ([0] * n, list(range(n)))), shape=(1, n + 3)).tocsr()
+        entries = [(j, s[i])] if peers[j].can_aggregate else []        # i ships part j to j
+        entries += [(i, r[j])] if peers[i].can_aggregate else []       # i ships its averaged part to j
+        if any(v for _, v in entries):
+            row(entries + [(T, -c)], 0.0)
+    a_ub = coo_matrix((vals, (rows, cols)), shape=(len(rhs), n + 2)).tocsr()
+    a_eq = coo_matrix(([1.0] * n, ([0] * n, list(range(n)))), shape=(1, n + 2)).tocsr()
     bounds = [(0.0, 1.0 if p.can_aggregate and i not in exclude else 0.0) for i, p in enumerate(peers)] \
-        + [(0.0, None)] * 3
-    cost = np.zeros(n + 3)
-    cost[T1] = cost[T2] = 1.0
+        + [(0.0, None)] * 2
+    cost = np.zeros(n + 2)
+    cost[T] = 1.0
     cost[Z] = TIE_BREAK  # among equally fast plans, the one loading peers in proportion to bandwidth
     res = linprog(cost, A_ub=a_ub, b_ub=np.array(rhs), A_eq=a_eq, b_eq=np.array([1.0]), bounds=bounds,
                   method="highs")
     if res.status != 0:  # cannot happen for valid input (the problem is always feasible); fail loudly if it does
         raise ConfigError(f"the averaging LP could not be solved: {res.message}")
-    objective = float(res.x[T1] + res.x[T2])
+    objective = float(res.x[T])
     g = _symmetrize(peers, np.clip(res.x[:n], 0.0, None), pairs, exclude)
     g[g < min_share / n] = 0.0
     if g.sum() <= 0:  # everyone eligible was excluded
         raise ConfigError("cannot plan a round in which every reachable peer is excluded from aggregating")
     g = g / g.sum()
-    t1, t2 = predict(peers, g, nbytes, pairs)
     shares = tuple(float(x) for x in g)
-    return Plan(tuple(p.peer_id for p in peers), shares, t1, t2, classify(peers, shares),
+    return Plan(tuple(p.peer_id for p in peers), shares, *predict(peers, g, nbytes, pairs), classify(peers, shares),
                 time.perf_counter() - t0, {"lp_objective_s": objective})
 
 
@@ -274,8 +280,7 @@ def plan_with(peers: Sequence[PlanPeer], shares: Sequence[float], nbytes: float,
               pairs: dict[tuple[int, int], float] | None = None) -> Plan:
     """A Plan for given shares (a baseline strategy), with the model's prediction."""
     g = [float(x) / sum(shares) for x in shares]
-    t1, t2 = predict(peers, g, nbytes, pairs)
-    return Plan(tuple(p.peer_id for p in peers), tuple(g), t1, t2, classify(peers, g))
+    return Plan(tuple(p.peer_id for p in peers), tuple(g), *predict(peers, g, nbytes, pairs), classify(peers, g))
 
 
 def choose(peers: Sequence[PlanPeer], nbytes: float, pairs: dict[tuple[int, int], float] | None = None,
@@ -300,6 +305,6 @@ def choose(peers: Sequence[PlanPeer], nbytes: float, pairs: dict[tuple[int, int]
             pruned = solve(peers, nbytes, pairs, exclude=slivers)
             if pruned.predicted_s <= limit:
                 chosen = pruned
-    return Plan(chosen.peer_ids, chosen.shares, chosen.reduce_s, chosen.gather_s, chosen.strategy,
+    return Plan(chosen.peer_ids, chosen.shares, chosen.predicted_s, chosen.reduce_s, chosen.gather_s, chosen.strategy,
                 best.solve_s + (chosen.solve_s if chosen is not best else 0.0),
                 {"lp_predicted_s": best.predicted_s})
