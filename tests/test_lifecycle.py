@@ -32,8 +32,11 @@ def test_unreachable_initial_peer_is_a_clear_error():
 
 
 SCRIPT = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     from dedloc import Peer, PeerConfig
+    # Ctrl+C raises KeyboardInterrupt, as in a terminal, even if the test runner was started as a
+    # background job (which starts with SIGINT ignored, and children inherit that)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     peer = Peer(PeerConfig(run_id="sig"))
     print(peer.runtime.pid, flush=True)
     while True:
