@@ -127,15 +127,15 @@ class PartitionedRound:
         self._failovers: dict[int, _Failover] = {}
         self._failover_tasks: list[asyncio.Task] = []
         self.part: StreamedPart | None = None
-        self._expiry: asyncio.TimerHandle | None = None
+        self._timers: list[asyncio.TimerHandle] = []
         if me in self.aggregators:
             s, e = self.bounds[me]
             out = self.output[s:e]
             # not pooled: result streams may read it after run() has returned
             wire = out if self.wire_dtype == torch.float32 else torch.empty(e - s, dtype=self.wire_dtype)
             self.part = StreamedPart(self.senders, out, wire)
-            self._expiry = loop.call_at(self.reduce_deadline, self.part.expire)
-            self._start_expiry = loop.call_at(self.start_deadline, self.part.expire_unstarted)
+            self._timers = [loop.call_at(self.start_deadline, self.part.expire_unstarted),
+                            loop.call_at(self.reduce_deadline, self.part.expire)]
         fetch = group.members[me].fetch
         self._exchanges = [j for j in self.aggregators if j != me and (fetch or group.backup(j) == me)]
         self.undelivered = {k for k, m in enumerate(group.members) if m.fetch and k != me} \
@@ -302,20 +302,32 @@ class PartitionedRound:
         if b is None:
             raise AveragingError(f"{who} ({reason}) and part {j} has no backup")
         self.stats.failovers += 1
-        if b == self.me:
-            state = self._failover_state(j)
-            await state.ready.wait()
-            if state.error:
-                raise AveragingError(f"failover of part {j} failed: {state.error}")
-            return
-        async with asyncio.timeout_at(self.deadline):
-            reader, writer = await self.open_stream(self._name(b))
-            try:
-                self.stats.add_sent(await write_frame(writer, Kind.FAILOVER, self.group.round_id, j, self.weight,
-                                                      self._contribution(j), self.chunk_bytes, reader), f"f{j}>{b}")
-                await self._read_result(reader, writer, j, b)
-            finally:
-                writer.close()
+        # an aggregator that abandoned its part re-reduces it itself when the backup is gone: the
+        # failed contributor may be that backup (tried only if the backup cannot be reached)
+        for target in (b, j):
+            if target == self.me:
+                state = self._failover_state(j)
+                await state.ready.wait()
+                if state.error:
+                    raise AveragingError(f"failover of part {j} failed: {state.error}")
+                return
+            async with asyncio.timeout_at(self.deadline):
+                try:
+                    reader, writer = await self.open_stream(self._name(target))
+                except Exception as e:
+                    if target == j or j == b:
+                        raise
+                    logger.warning(f"{self._prefix()}: backup {self._name(b)} of part {j} is unreachable ({e}); "
+                                   f"asking its aggregator {self._name(j)}")
+                    continue
+                try:
+                    self.stats.add_sent(await write_frame(writer, Kind.FAILOVER, self.group.round_id, j, self.weight,
+                                                          self._contribution(j), self.chunk_bytes, reader),
+                                        f"f{j}>{target}")
+                    await self._read_result(reader, writer, j, target)
+                    return
+                finally:
+                    writer.close()
 
     # ---- aggregator side ---------------------------------------------------------------------
     async def _aggregate_own_part(self) -> None:
@@ -401,7 +413,8 @@ class PartitionedRound:
             return await self._serve_contribution(k, header, reader, writer)
         if header.kind == Kind.PULL and self.part is not None and header.part == self.me:
             return await self._serve_result(k, reader, writer)
-        if header.kind == Kind.FAILOVER and self.group.backup(header.part) == self.me:
+        abandoned = header.part == self.me and self.part is not None and self.part.failed is not None
+        if header.kind == Kind.FAILOVER and (self.group.backup(header.part) == self.me or abandoned):
             return await self._serve_failover(k, header, reader, writer)
         logger.warning(f"{self._prefix()}: unexpected {header.kind.name} for part {header.part} from {peer_id}")
         await write_error(writer, self.group.round_id, f"unexpected {header.kind.name} for part {header.part}")
@@ -553,9 +566,9 @@ class PartitionedRound:
         return True
 
     def close(self) -> None:
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._start_expiry.cancel()
+        for timer in self._timers:
+            timer.cancel()
+        if self.part is not None:
             self.part.abandon("the round ended")
         for t in self._failover_tasks:
             t.cancel()
