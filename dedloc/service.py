@@ -54,7 +54,7 @@ class PeerService:
 
     async def info(self) -> dict[str, Any]:
         return {"peer_id": self.node.peer_id.to_base58(), "maddrs": await self.node.visible_maddrs(),
-                "client_mode": self.node.config.client_mode}
+                "client_mode": self.node.config.client_mode, "leftovers": self.node.socket_paths()}
 
     async def ping(self) -> float:
         return time.time()

@@ -58,3 +58,21 @@ def test_interrupted_or_killed_training_process_leaves_nothing(sig):
     assert sessions_alive([runtime_pid]) == []
     after = {f for f in os.listdir("/tmp") if f.startswith("hivemind-")}
     assert after - before == set(), f"stale socket files: {after - before}"
+
+
+def test_killed_runtime_leaves_no_socket_files():
+    """A runtime killed by its owner (a crash, a stop that timed out) takes its daemon with it; the
+    daemon's Unix sockets, which only a clean shutdown removes, are removed by the owner."""
+    peer = Peer(PeerConfig(run_id="kill"))
+    try:
+        paths = peer.runtime.info["leftovers"]
+        assert len(paths) == 2 and all(os.path.exists(p) for p in paths)
+        pid = peer.runtime.pid
+        peer.runtime.kill()
+        deadline = time.monotonic() + 10  # a SIGKILLed process takes a moment to finish exiting
+        while sessions_alive([pid]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sessions_alive([pid]) == []
+        assert [p for p in paths if os.path.exists(p)] == []
+    finally:
+        peer.close()

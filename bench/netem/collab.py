@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 
-from dedloc.testing.netem import Link, Network, available
+from dedloc.testing.netem import Link, Network, available, exit_on_signals
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAST, HOME = Link(200, 200), Link(20, 100)
@@ -110,7 +109,7 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=600.0)
     parser.add_argument("--scenarios", nargs="+", default=["high", "mixed/lp", "mixed/ring"])
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: namespaces are removed
+    exit_on_signals()  # a signal runs the finally blocks: namespaces are removed
     ok, why = available()
     if not ok:
         print(json.dumps({"skipped": why}))

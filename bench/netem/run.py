@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from dedloc.planning import lp
-from dedloc.testing.netem import Link, Network, available
+from dedloc.testing.netem import Link, Network, available, exit_on_signals
 from dedloc.testing.peer_driver import DrivenPeer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -209,7 +208,7 @@ def main() -> None:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"],
                         help="peers' log level (DEBUG adds each round's transfer timeline)")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: namespaces are removed
+    exit_on_signals()  # a signal runs the finally blocks: namespaces are removed
     ok, why = available()
     if not ok:
         print(json.dumps({"skipped": why}))

@@ -95,6 +95,17 @@ class Node:
                             f"{type(e).__name__}: {e}") from None
         return cls(p2p, dht, config)
 
+    def socket_paths(self) -> list[str]:
+        """The daemon's and its client's Unix sockets. They outlive a process that is killed (the
+        daemon removes them only on a clean shutdown), so whoever kills it removes them."""
+        paths = []
+        for attr in ("_daemon_listen_maddr", "_client_listen_maddr"):  # hivemind 1.1.12 internals
+            try:
+                paths.append(str(getattr(self.p2p, attr)["unix"]))
+            except Exception:
+                pass
+        return paths
+
     async def visible_maddrs(self) -> list[str]:
         if self.config.client_mode:
             return []

@@ -167,10 +167,17 @@ class Runtime:
         self._wait(5)
 
     def _kill(self) -> None:
+        """Kill the process group, then remove the files it would have removed on a clean exit
+        (``info["leftovers"]``: the p2p daemon's sockets)."""
         try:
             os.killpg(self._proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError, TypeError):
             pass
+        for path in getattr(self, "info", {}).get("leftovers", ()):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
 
 
 class SharedBuffer:

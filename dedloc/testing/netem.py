@@ -42,6 +42,22 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
+def exit_on_signals() -> None:
+    """Make SIGTERM and SIGINT end the process through its ``finally`` blocks (so namespaces are
+    removed), and ignore any further such signal meanwhile: ``timeout`` or a shell's ``pkill`` often
+    sends a second one, which would otherwise cut the clean-up short and leave namespaces behind."""
+
+    def handler(signum: int, _frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
 @dataclass(frozen=True)
 class Link:
     """A peer's caps in Mbit/s (None: uncapped)."""
