@@ -13,6 +13,7 @@ import time
 import torch
 
 from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
+from dedloc.logs import configure
 from dedloc.optim import CollaborativeOptimizer
 from dedloc.peer import Peer
 
@@ -28,6 +29,7 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     out, sys.stdout = sys.stdout, sys.stderr
     torch.set_num_threads(1)
+    configure()  # the optimizer's events (state downloaded, step skipped) go to the peer's log too
     peer = Peer(PeerConfig(**spec["peer"]), AveragingConfig(**spec["averaging"]))
     out.write(json.dumps({"maddrs": peer.maddrs, "peer_id": peer.peer_id}) + "\n")
     out.flush()
