@@ -3,8 +3,7 @@
 **Pacing.** The receiver of a payload writes one credit byte back on the same stream for every
 ``UNIT`` bytes it has consumed (and one for a final partial unit). The sender keeps at most a
 window of uncredited bytes in flight; the window follows the measured delivery rate so that
-about ``TARGET_DELAY`` seconds of data are queued beyond the credits' base round trip, between
-``MIN_WINDOW`` and ``MAX_WINDOW``.
+about ``TARGET_DELAY`` seconds of data are queued, between ``MIN_WINDOW`` and ``MAX_WINDOW``.
 Why: the p2p daemon multiplexes every stream to a peer over one connection, and its multiplexer
 resets the whole connection when a keepalive waits behind more than ~10 s of queued data. Unpaced,
 that happened to every peer on 10 Mbit/s links as soon as several streams shared a link (measured:
@@ -43,7 +42,6 @@ TARGET_DELAY = 1.0
 MIN_WINDOW = 4 * UNIT
 MAX_WINDOW = 64 << 20
 FIRST_WINDOW = 16 * UNIT
-BASE_RTT_CAP = TARGET_DELAY
 RATE_SPAN = 2.0
 MIN_SPAN = 0.25
 ZEROCOPY_MIN = 1 << 20
@@ -80,35 +78,14 @@ def credits_for(nbytes: int) -> int:
     return -(-nbytes // UNIT)
 
 
-_active: "set[_Window]" = set()  # the windows of payloads being sent by this process
-
-
 class _Window:
-    """The sender's window: the delivery rate over the last ``RATE_SPAN`` seconds times the target
-    delay plus a base round trip (slow start before ``MIN_SPAN``).
-
-    A payload's own base round trip is its shortest write-to-credit delay so far (0 before any),
-    capped at ``BASE_RTT_CAP``. Counting it keeps the link busy when the credits themselves come
-    back late, as they do from a peer whose uplink is full: a window of rate x 1 s over a credit
-    round trip of more than a second delivers less than the rate, measures a lower rate, and
-    shrank to its floor. Every payload this process sends uses the largest base among those under
-    way: payloads sharing an uplink then hold the same time's worth of data. With each its own,
-    one opened behind a full queue (whose round trip includes that queue) held more than the
-    earlier ones and starved them (measured: 6 peers at 10 Mbit/s, rounds 7% slower)."""
+    """The sender's window: delivery rate over the last ``RATE_SPAN`` seconds times the target delay
+    (slow start before ``MIN_SPAN``)."""
 
     def __init__(self, now: float | None = None) -> None:
         self.size = FIRST_WINDOW
-        self.base_rtt = float("inf")
         self._samples: collections.deque[tuple[float, int]] = collections.deque(
             [(time.monotonic() if now is None else now, 0)])
-
-    def delayed(self, seconds: float) -> None:
-        """A write was credited in full ``seconds`` after it was written."""
-        self.base_rtt = min(self.base_rtt, seconds)
-
-    def held(self) -> float:
-        """This payload's base round trip as counted: capped, 0 before any sample."""
-        return min(self.base_rtt, BASE_RTT_CAP) if self.base_rtt < float("inf") else 0.0
 
     def credited(self, total: int, now: float | None = None) -> None:
         """``total`` bytes are credited so far (at ``now``, default the clock)."""
@@ -121,8 +98,7 @@ class _Window:
             self.size = min(MAX_WINDOW, max(self.size, 2 * total))
         elif total > b0:
             rate = (total - b0) / (now - t0)
-            hold = TARGET_DELAY + max([self.held()] + [w.held() for w in _active])
-            self.size = int(min(MAX_WINDOW, max(MIN_WINDOW, rate * hold)))
+            self.size = int(min(MAX_WINDOW, max(MIN_WINDOW, rate * TARGET_DELAY)))
 
 
 class ReceiverAnswered(ProtocolError):
@@ -215,16 +191,13 @@ async def send_paced(writer: asyncio.StreamWriter, reader: asyncio.StreamReader,
             done = min(got * UNIT, total)
             if done > sent:
                 raise ProtocolError("the receiver credited bytes that were not sent yet")
+            window.credited(done)
             now = time.monotonic()
             while written and written[0][0] <= done:
-                took = now - written.popleft()[1]
-                delay = max(delay, took)
-                window.delayed(took)
-            window.credited(done, now)
+                delay = max(delay, now - written.popleft()[1])
             more.set()
 
     credits = asyncio.create_task(take())
-    _active.add(window)
     try:
         while sent < total:
             room = window.size - (sent - min(got * UNIT, total))
@@ -243,7 +216,6 @@ async def send_paced(writer: asyncio.StreamWriter, reader: asyncio.StreamReader,
             await _unless(credits, writer.drain)
         await credits
     finally:
-        _active.discard(window)
         if not credits.done():
             credits.cancel()
             await asyncio.gather(credits, return_exceptions=True)

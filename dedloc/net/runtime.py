@@ -64,6 +64,8 @@ class Runtime:
 
     def __init__(self, factory: str, args: tuple, *, startup_timeout: float, name: str = "dedloc-runtime",
                  log_level: str = "INFO"):
+        self.info: dict[str, Any] = {}
+        """What the service reported when it started (peer id, addresses, files to remove if killed)."""
         parent_sock, child_sock = socket.socketpair()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "dedloc.net.child", str(child_sock.fileno())],
@@ -89,7 +91,7 @@ class Runtime:
             self._wait(10)
             self._kill()
             raise _error_from(*payload)
-        self.info: dict[str, Any] = payload[0]
+        self.info = payload[0]
         self._reader = threading.Thread(target=self._read_loop, name=f"{name}-reader", daemon=True)
         self._reader.start()
         _live.add(self)
@@ -173,7 +175,7 @@ class Runtime:
             os.killpg(self._proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError, TypeError):
             pass
-        for path in getattr(self, "info", {}).get("leftovers", ()):
+        for path in self.info.get("leftovers", ()):
             try:
                 os.remove(path)
             except OSError:
