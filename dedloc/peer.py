@@ -87,7 +87,12 @@ class Peer:
 
         Returns (step, blob, donor); raises StateError naming each donor's failure.
         """
-        return self.runtime.call("download_state", list(donors), min_step, timeout, timeout=timeout + 30)
+        return self.download_state_async(donors, min_step, timeout).result(timeout + 30)
+
+    def download_state_async(self, donors: list[str], min_step: int,
+                             timeout: float) -> "cf.Future[tuple[int, bytes, str]]":
+        """:meth:`download_state` without waiting: a future of its result (errors as there)."""
+        return self.runtime.call_async("download_state", list(donors), min_step, timeout)
 
     # ---- averaging ------------------------------------------------------------------------------------
     def _buffer(self, numel: int) -> torch.Tensor:

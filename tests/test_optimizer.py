@@ -47,10 +47,11 @@ def flat(model):
 class Trainer(threading.Thread):
     """One peer's ordinary training loop; logs which samples each global step consumed."""
 
-    def __init__(self, index, peer, cfg, micro, delay=0.0, stop_at=None, steps=8, on_step=None, opt_kwargs=None):
+    def __init__(self, index, peer, cfg, micro, delay=0.0, stop_at=None, steps=8, on_step=None, opt_kwargs=None,
+                 gate=None):
         super().__init__(daemon=True)
         self.index, self.peer, self.cfg, self.micro, self.delay = index, peer, cfg, micro, delay
-        self.stop_at, self.steps, self.on_step = stop_at, steps, on_step
+        self.stop_at, self.steps, self.on_step, self.gate = stop_at, steps, on_step, gate
         self.log = {}  # step -> [(ids, loss)] of the micro-batches that step consumed
         self.losses = {}  # step being accumulated at compute time -> [(n, loss)]
         self.params = {}  # applied step -> flat params
@@ -70,6 +71,8 @@ class Trainer(threading.Thread):
             while copt.global_step < self.steps:
                 if self.stop_at is not None and copt.global_step >= self.stop_at:
                     break
+                if self.gate:
+                    self.gate(copt)  # before each micro-batch
                 ids = order[pos:pos + self.micro]
                 pos = (pos + self.micro) % (N - self.micro)
                 loss = torch.nn.functional.mse_loss(model(x[ids]), y[ids])
@@ -254,6 +257,109 @@ def test_a_killed_peer_does_not_stall_the_others():
     for s in range(steps + 1):
         have = [t.params[s] for t in survivors if s in t.params]
         assert len(have) == 2 and torch.equal(*have), f"survivors differ after step {s}"
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_behind_a_finished_round_catches_up_and_keeps_its_gradients():
+    """Delayed updates. A newcomer holds the state of step 1 while the others finish round 1
+    without it (they pause after applying it). Its round-1 attempt misses; it downloads the state
+    of step 2 in the background, keeps the gradients it computes meanwhile (on step 1's
+    parameters, as the others' were while round 1 flew), and they all go into round 2."""
+    torch.set_num_threads(1)
+    steps, target = 4, 640  # rounds fly for ~1.3 s, far less than a step (~4 s): none starts early
+    cfg = OptimizerConfig(target_batch_size=target, delay_updates=True)
+    avg = AveragingConfig(matchmaking_time=1, averaging_timeout=20)
+    rid = run_id()
+    first = Peer(PeerConfig(run_id=rid), avg)
+    peers = [first] + [Peer(PeerConfig(run_id=rid, initial_peers=tuple(first.maddrs)), avg) for _ in range(2)]
+    paused = {s: [threading.Event(), threading.Event()] for s in (1, 2)}
+    resume = {s: threading.Event() for s in (1, 2)}
+
+    def pause(i):
+        def at(s):  # called right after peer i applies the update that takes it to step s
+            if s in resume:
+                if s == 1:
+                    trainers[i].opt.offer_state()  # what the newcomer downloads on joining
+                paused[s][i].set()
+                assert resume[s].wait(120), f"peer {i} was never resumed at step {s}"
+        return at
+
+    def newcomer_gate(opt):
+        if not resume[1].is_set():  # joined at step 1: let the others finish round 1 without it
+            resume[1].set()
+            assert all(e.wait(120) for e in paused[2]), "the others did not reach step 2"
+        elif opt.catchups and not resume[2].is_set():  # missed round 1 and is catching up
+            resume[2].set()
+
+    try:
+        trainers = [Trainer(i, p, cfg, micro=8, delay=0.1, steps=steps, on_step=pause(i))
+                    for i, p in enumerate(peers[:2])]
+        for t in trainers:
+            t.start()
+        for e in paused[1]:
+            for _ in range(1200):
+                if e.wait(0.1) or any(t.error for t in trainers):
+                    break
+        assert all(t.error is None for t in trainers), [t.error for t in trainers]
+        assert all(e.is_set() for e in paused[1]), "the first two peers did not reach step 1"
+        newcomer = Trainer(2, peers[2], cfg, micro=8, delay=0.1, steps=steps, gate=newcomer_gate)
+        trainers.append(newcomer)
+        newcomer.start()
+        join_all(trainers)
+    finally:
+        for e in resume.values():
+            e.set()
+        for p in peers:
+            p.close()
+    opt = newcomer.opt
+    assert opt.resyncs == 1 and opt.catchups == 1, (opt.resyncs, opt.catchups)  # joining, then one catch-up
+    assert 1 not in {rec.step for rec in opt.history}  # its round-1 attempt missed
+    (joined,) = [rec for rec in opt.history if rec.step == 2]
+    kept = sum(n for n, _ in newcomer.losses[2])
+    assert joined.local_samples == kept > 8, (joined.local_samples, kept)  # nothing it computed was dropped
+    assert {rec.group_size for t in trainers for rec in t.opt.history if rec.step == 2} == {3}
+    for s in range(1, steps + 1):
+        have = [t.params[s] for t in trainers if s in t.params]
+        assert len(have) == 3, (s, len(have))
+        assert all(torch.equal(have[0], p) for p in have[1:]), f"peers differ after step {s}"
+
+
+@pytest.mark.timeout(240)
+def test_a_newcomer_gets_the_state_while_rounds_outlast_compute():
+    """Delayed updates with rounds longer than a step's compute: a donor's training loop goes
+    straight from applying one round to starting the next, so no progress report ever finds it
+    without a round in flight. It must still offer its state (between the two), or the newcomer
+    waits for nothing until its state_timeout."""
+    torch.set_num_threads(1)
+    steps = 20
+    cfg = OptimizerConfig(target_batch_size=16, delay_updates=True)
+    rid = run_id()
+    first = Peer(PeerConfig(run_id=rid), AVG)
+    peers = [first] + [Peer(PeerConfig(run_id=rid, initial_peers=tuple(first.maddrs)), AVG) for _ in range(2)]
+    reached = threading.Event()
+    try:
+        trainers = [Trainer(i, p, cfg, micro=8, delay=0.01, steps=steps,
+                            on_step=lambda s: reached.set() if s >= 5 else None) for i, p in enumerate(peers[:2])]
+        for t in trainers:
+            t.start()
+        for _ in range(1200):
+            if reached.wait(0.1) or any(t.error for t in trainers):
+                break
+        assert reached.is_set() and all(t.error is None for t in trainers), [t.error for t in trainers]
+        newcomer = Trainer(2, peers[2], OptimizerConfig(target_batch_size=16, delay_updates=True, state_timeout=20),
+                           micro=8, delay=0.01, steps=steps)
+        trainers.append(newcomer)
+        newcomer.start()
+        join_all(trainers)
+    finally:
+        for p in peers:
+            p.close()
+    assert newcomer.opt.resyncs >= 1 and any(rec.local_samples > 0 for rec in newcomer.opt.history)
+    joined = min(newcomer.params)
+    assert 5 < joined < steps
+    for s in range(joined, steps + 1):
+        have = [t.params[s] for t in trainers if s in t.params]
+        assert len(have) >= 2 and all(torch.equal(have[0], p) for p in have[1:]), f"peers differ after step {s}"
 
 
 def test_a_garbage_state_from_a_donor_is_refused_clearly():

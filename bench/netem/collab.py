@@ -8,7 +8,8 @@ whose gradient is about ``--hidden`` * 257 floats):
                  dedloc's planner (lp) and with a plain ring all-reduce (ring)
 Prints one JSON line per scenario: samples_per_second (global batch samples per second of
 wall time, from the first completed step to the last), step times, realised batches, and for
-the mixed ones the ratio to the high-bandwidth set. Peers' parameters are checked identical.
+the mixed ones the ratio to the high-bandwidth set and, per part-time peer, the rounds it
+contributed to. Full-time peers' parameters are checked identical.
 Run as root:  python bench/netem/collab.py
 """
 
@@ -39,6 +40,7 @@ def scenario(name: str, links: list[Link], part_time: list[bool], mode: str, arg
             specs.append(dict(index=i, hidden=args.hidden, micro=args.micro, samples_per_second=args.sps,
                               steps=args.steps, time_limit=args.time_limit,
                               join_step=args.join if part_time[i] else 0,
+                              start_with=0 if part_time[i] else part_time.count(False),
                               leave_step=args.leave if part_time[i] else None,
                               peer=dict(run_id=f"collab{os.getpid()}{name.replace('/', '')}",
                                         host_maddrs=[f"/ip4/{net.ip(i)}/tcp/0"]),
@@ -74,6 +76,7 @@ def scenario(name: str, links: list[Link], part_time: list[bool], mode: str, arg
         full = [r for r, pt in zip(results, part_time) if not pt]
         if len({r["param_sum"] for r in full}) != 1 or len({r["applied_step"] for r in full}) != 1:
             raise RuntimeError(f"{name}: full-time peers ended with different parameters or steps")
+        part = [r for r, pt in zip(results, part_time) if pt]
         lead = full[0]
         times = dict((s, t) for s, t in lead["step_times"])
         batches = {h[0]: h[2] for h in lead["history"]}
@@ -86,7 +89,11 @@ def scenario(name: str, links: list[Link], part_time: list[bool], mode: str, arg
                 "seconds_per_step": round(span / (last_step - first_step), 2),
                 "batches": [round(batches[s]) for s in sorted(batches)],
                 "averaging_s": [round(h[4], 2) for h in lead["history"]],
-                "group_sizes": [h[3] for h in lead["history"]]}
+                "group_sizes": [h[3] for h in lead["history"]],
+                # per part-time peer: rounds it contributed samples to, and how it got back in step
+                "part_time_rounds": [sum(1 for h in r["history"] if h[1] > 0) for r in part],
+                "part_time_resyncs": [r["resyncs"] for r in part],
+                "part_time_catchups": [r["catchups"] for r in part]}
     finally:
         for p in procs:
             try:

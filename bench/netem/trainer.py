@@ -41,6 +41,9 @@ def main() -> None:
         net = model(spec["hidden"])
         opt = CollaborativeOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), peer,
                                      OptimizerConfig(**spec["optimizer"]), model=net)
+        while sum(r.role.trains for r in peer.collaboration().peers) < spec.get("start_with", 0) and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)  # full-time peers start together: a cold start is not part of the measurement
         gen = torch.Generator().manual_seed(spec["index"])
         w_true = torch.randn(DIM, 1, generator=torch.Generator().manual_seed(7))
         samples, started, step_times = 0, time.time(), []
@@ -61,7 +64,8 @@ def main() -> None:
         opt.close()
         digest = float(sum(p.detach().double().sum() for p in net.parameters()))
         out.write(json.dumps({"index": spec["index"], "samples": samples, "started": started, "ended": time.time(),
-                              "applied_step": opt.applied_step, "resyncs": opt.resyncs, "param_sum": digest,
+                              "applied_step": opt.applied_step, "resyncs": opt.resyncs, "catchups": opt.catchups,
+                              "param_sum": digest,
                               "step_times": step_times,
                               "history": [[r.step, r.local_samples, r.batch, r.group_size, r.averaging_s, r.skipped]
                                           for r in opt.history]}) + "\n")

@@ -23,7 +23,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, NoReturn
 
 from hivemind.p2p import PeerID
 
@@ -121,6 +121,11 @@ class Matchmaker:
         return next((leader for leader, members in (await self.closed_round(step)).items()
                      if self.me not in members), None)
 
+    def _missed(self, step: int, closed_by: str) -> NoReturn:
+        self._decision(step).set()
+        raise MissedRoundError(f"step {step}: the round led by {closed_by} closed without this peer; "
+                               f"join the next step")
+
     # ---- entry point -----------------------------------------------------------------------------
     async def form_group(self, step: int, weight: float, expected_peers: int | None = None,
                          gather_time: float | None = None, numel: int = 0) -> Group:
@@ -134,9 +139,13 @@ class Matchmaker:
         gather = t if gather_time is None else max(0.0, gather_time)
         gather_deadline = loop.time() + gather
         me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client, self.fetch)
-        await self.node.store(self.node.key("ready", step), self.me,
-                              {"w": me.weight, "s": me.share, "c": me.client, "f": me.fetch, "n": int(numel)},
-                              ttl=3 * t + gather + self.config.averaging_timeout)
+        _, closed_by = await asyncio.gather(
+            self.node.store(self.node.key("ready", step), self.me,
+                            {"w": me.weight, "s": me.share, "c": me.client, "f": me.fetch, "n": int(numel)},
+                            ttl=3 * t + gather + self.config.averaging_timeout),
+            self._closed_without_me(step))
+        if closed_by:  # a late peer learns it at once instead of after the gather window
+            self._missed(step, closed_by)
         while True:
             ready = await self._ready(step, me)
             if (expected_peers and len(ready) >= expected_peers) or loop.time() >= gather_deadline:
@@ -144,9 +153,7 @@ class Matchmaker:
             await asyncio.sleep(POLL)
         closed_by = await self._closed_without_me(step)
         if closed_by:
-            self._decision(step).set()
-            raise MissedRoundError(f"step {step}: the round led by {closed_by} closed without this peer; "
-                                   f"join the next step")
+            self._missed(step, closed_by)
         candidates = sorted(p for p, m in ready.items() if not m.client)
         if not candidates:
             raise MatchmakingError(f"step {step}: no reachable (non-client) peer is ready to aggregate")

@@ -24,7 +24,14 @@ Guarantees:
   gradients and downloads the state (parameters, optimizer, scheduler, scale, step) from a peer.
 - *Delayed updates* (``delay_updates``): the round for step s runs in the background while step
   s+1's micro-batches are computed; the update is applied between micro-batches, and always
-  before the round for s+1 starts (staleness at most one step).
+  before step s+2's micro-batches are computed (staleness at most one step).
+- *Catching up* (delayed updates only): a peer whose round for step s failed or closed without it
+  (typically a newcomer, whose downloaded state is one step behind a round already in flight) keeps
+  its gradients for step s+1 -- computed on step s's parameters, as everyone's are while round s is in
+  flight -- and downloads the state of step s+1 in the background in place of round s's update. It
+  joins round s+1 with those gradients, and waits for the download before computing step s+2's.
+  Only its contribution to step s is lost. If the state that arrives is newer than s+1 (the
+  collaboration moved on without it), its gradients are dropped as in a resync.
 - The scheduler and the logs follow the global step.
 """
 
@@ -83,6 +90,14 @@ MAX_VIEW_AGE = 5.0
 
 
 @dataclass
+class _CatchUp:
+    min_step: int
+    future: cf.Future
+    """Of ``Peer.download_state``'s (step, blob, donor)."""
+    started: float
+
+
+@dataclass
 class _Inflight:
     step: int
     vector: torch.Tensor
@@ -119,7 +134,13 @@ class CollaborativeOptimizer:
         """How many global updates the parameters have received (== global_step unless one is in flight)."""
         self.history: list[RoundRecord] = []
         self.resyncs = 0
+        """State downloads that dropped this peer's gradients (joining counts as one)."""
+        self.catchups = 0
+        """Missed updates replaced by a state downloaded in the background, gradients kept (delayed updates)."""
         self._inflight: _Inflight | None = None
+        self._catchup: _CatchUp | None = None
+        self._wanted = False
+        """A peer asked for a newer state than ours; offered once this peer holds a complete one."""
         self._sps, self._mb_time, self._latency = _Ema(), _Ema(), _Ema()
         self._seen: _Seen | None = None
         self._pending: tuple[cf.Future, float] | None = None
@@ -151,6 +172,8 @@ class CollaborativeOptimizer:
         try:
             self.acc.add(batch_size, self.scale.current() if self.scale else 1.0)
             self._zero_grads()
+            if self._catchup is not None and self._catchup.future.done() and not self._land_catchup():
+                return StepOutcome.RESYNCED
             if self._inflight is not None and self._inflight.future.done() and not self._finish_inflight():
                 return StepOutcome.RESYNCED
             view = self._cached_view_if_far()
@@ -171,6 +194,7 @@ class CollaborativeOptimizer:
         """Make the current state downloadable right away (e.g. before a planned stop, for a backbone)."""
         if self._inflight is not None:
             self._finish_inflight()
+        self._wanted = False
         self.peer.offer_state(self.applied_step, snapshot.encode(self.state_dict()))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -182,6 +206,7 @@ class CollaborativeOptimizer:
             return
         if self._inflight is not None:
             self._finish_inflight(resync=False)
+        self._catchup = None  # the download, if any, finishes in the background and is ignored
         self._closed = True
         try:
             self.peer.leave()
@@ -220,6 +245,10 @@ class CollaborativeOptimizer:
             self._inflight = _Inflight(step, vector, future, finish, local_samples, started)
             self.global_step = step + 1
             self.acc.reset()
+            # step's gradients were computed on step-1's parameters while step-1's update was being
+            # downloaded; step+1's need it: wait for it now that this round is under way
+            if self._catchup is not None and not self._land_catchup():
+                return StepOutcome.RESYNCED
             return StepOutcome.STEPPED
         try:
             stats = self.peer.average(vector, **kwargs)
@@ -229,18 +258,56 @@ class CollaborativeOptimizer:
         return self._apply(step, vector, stats, local_samples, started)
 
     def _finish_inflight(self, resync: bool = True) -> bool:
-        """Wait for the background round and apply it; on failure, resync (returns False)."""
+        """Wait for the background round and apply it. On failure, catch up in the background
+        (gradients kept, returns True), or, when ``resync`` is False, just log it (returns False)."""
         inflight, self._inflight = self._inflight, None
         try:
             stats = inflight.finish()
         except (MatchmakingError, AveragingError) as e:
             if resync:
-                self._resync(self.peer.collaboration(), f"step {inflight.step} failed: {e}")
-            else:
-                logger.warning(f"step {inflight.step} failed while leaving: {e}")
+                self._start_catchup(inflight.step + 1, f"step {inflight.step} failed: {e}")
+                return True
+            logger.warning(f"step {inflight.step} failed while leaving: {e}")
             return False
         self._apply(inflight.step, inflight.vector, stats, inflight.local_samples, inflight.started)
         return True
+
+    def _start_catchup(self, step: int, reason: str) -> None:
+        """Download the state of ``step`` (or later) in the background, in place of the update that
+        this peer's parameters lack; keep accumulating for ``step`` meanwhile."""
+        donors = self._donors(self.peer.collaboration(), step)
+        logger.info(f"{reason}; catching up: downloading the state of step >= {step} in the background, "
+                    f"still accumulating for step {self.global_step}")
+        self._catchup = _CatchUp(step, self.peer.download_state_async(donors, step, self.config.state_timeout),
+                                 time.monotonic())
+        self.catchups += 1
+
+    def _land_catchup(self) -> bool:
+        """Wait for the catch-up download and load it; False if the gradients in hand were dropped."""
+        catchup, self._catchup = self._catchup, None
+        try:
+            step, blob, donor = catchup.future.result(self.config.state_timeout + 30)
+            state = snapshot.decode(blob)
+        except (StateError, ProtocolError, cf.TimeoutError) as e:
+            self._resync(self.peer.collaboration(), f"catching up failed: {e}", min_step=catchup.min_step)
+            return False
+        inflight, global_step = self._inflight, self.global_step
+        self.load_state_dict(state)  # sets both steps to the state's
+        # the work in hand was meant for this state: the round started on top of it, or the gradients
+        # being accumulated for the step it opens
+        kept = step == (inflight.step if inflight is not None else global_step)
+        if kept:
+            self.global_step = global_step
+        else:
+            self._drop_inflight()
+            self.acc.reset()
+            self._zero_grads()
+            self.resyncs += 1
+        logger.info(f"caught up: state of step {step} downloaded from {donor} ({len(blob) / 1e6:.1f} MB, "
+                    f"{time.monotonic() - catchup.started:.2f} s)" +
+                    ("" if kept else f"; the collaboration had moved on, so the gradients for step "
+                                     f"{global_step} were dropped"))
+        return kept
 
     def _apply(self, step: int, vector: torch.Tensor, stats: dict[str, Any], local_samples: int,
                started: float) -> StepOutcome:
@@ -260,6 +327,10 @@ class CollaborativeOptimizer:
             self.global_step = step + 1
             self.acc.reset()
         self._fingerprint = self._hash()
+        if self._wanted and self._catchup is None:
+            # a peer waits for a newer state: offer it between applying this update and starting the
+            # next round (when rounds outlast compute, no report falls in that gap)
+            self.offer_state()
         record = RoundRecord(step, local_samples, float(stats.get("total_weight", local_samples)),
                              int(stats.get("group_size", 1)), time.monotonic() - started, overflow)
         self.history.append(record)
@@ -286,7 +357,8 @@ class CollaborativeOptimizer:
         now = time.monotonic()
         self._latency.update(now - sent)
         self._seen = _Seen(view, now)
-        if wanted and self._inflight is None:
+        self._wanted = self._wanted or wanted
+        if self._wanted and self._inflight is None and self._catchup is None:
             self.offer_state()
 
     def _cached_view_if_far(self) -> CollaborationView | None:
@@ -332,7 +404,7 @@ class CollaborativeOptimizer:
         return f"{self.applied_step}:{snapshot.fingerprint(self.params)}"
 
     def _disagrees(self, view: CollaborationView) -> bool:
-        if not self.config.verify_sync or self._inflight is not None:
+        if not self.config.verify_sync or self._inflight is not None or self._catchup is not None:
             return False
         consensus = view.consensus_fingerprint(self.applied_step)
         return consensus is not None and consensus != self._fingerprint
@@ -349,11 +421,21 @@ class CollaborativeOptimizer:
             ranked.append((tier, random.random(), r.peer_id))
         return [p for _, _, p in sorted(ranked)]
 
-    def _resync(self, view: CollaborationView, reason: str) -> None:
-        self._inflight = None
+    def _drop_inflight(self) -> None:
+        """Forget the round in flight, once it has ended: until then the runtime still writes its result
+        into the shared buffer that the next round's input goes to."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            avg = self.peer.averaging
+            cf.wait([inflight.future], timeout=self.config.max_gather_wait + 2 * avg.matchmaking_time
+                    + avg.averaging_timeout + 30)
+
+    def _resync(self, view: CollaborationView, reason: str, min_step: int = 0) -> None:
+        self._drop_inflight()
+        self._catchup = None
         self.acc.reset()
         self._zero_grads()
-        target = view.global_step
+        target = max(view.global_step, min_step)
         logger.info(f"out of sync ({reason}): downloading the state of step >= {target}")
         t0 = time.monotonic()
         deadline = t0 + self.config.state_timeout
