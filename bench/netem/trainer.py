@@ -7,6 +7,7 @@ the state) and leaves at ``leave_step``. Prints JSON lines: first {"maddrs"}, th
 """
 
 import json
+import logging
 import sys
 import time
 
@@ -18,6 +19,7 @@ from dedloc.optim import CollaborativeOptimizer
 from dedloc.peer import Peer
 
 DIM = 256
+log = logging.getLogger("dedloc.bench.trainer")
 
 
 def model(hidden: int) -> torch.nn.Module:
@@ -36,14 +38,20 @@ def main() -> None:
     try:
         join, leave, steps = spec.get("join_step", 0), spec.get("leave_step"), spec["steps"]
         deadline = time.monotonic() + spec["time_limit"]
+        # build everything before joining: the first torch optimizer imports torch._dynamo, which took
+        # 7-14 s with the collaboration's peers busy on this machine's 2 cores
+        net = model(spec["hidden"])
+        sgd = torch.optim.SGD(net.parameters(), lr=0.01)
         while join and peer.collaboration().global_step < join and time.monotonic() < deadline:
             time.sleep(0.2)  # a part-time peer: not part of the collaboration yet
-        net = model(spec["hidden"])
-        opt = CollaborativeOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), peer,
-                                     OptimizerConfig(**spec["optimizer"]), model=net)
-        while sum(r.role.trains for r in peer.collaboration().peers) < spec.get("start_with", 0) and \
-                time.monotonic() < deadline:
-            time.sleep(0.2)  # full-time peers start together: a cold start is not part of the measurement
+        while not join and time.monotonic() < deadline:  # full-time peers start together
+            peer.publish_progress(0, 0, 0.0)
+            if sum(r.role.trains for r in peer.collaboration().peers) >= spec.get("start_with", 0):
+                break
+            time.sleep(0.2)
+        built = time.monotonic()
+        opt = CollaborativeOptimizer(sgd, peer, OptimizerConfig(**spec["optimizer"]), model=net)
+        log.info(f"optimizer ready at step {opt.global_step} in {time.monotonic() - built:.1f} s")
         gen = torch.Generator().manual_seed(spec["index"])
         w_true = torch.randn(DIM, 1, generator=torch.Generator().manual_seed(7))
         samples, started, step_times = 0, time.time(), []
