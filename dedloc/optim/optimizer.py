@@ -30,8 +30,9 @@ Guarantees:
   its gradients for step s+1 -- computed on step s's parameters, as everyone's are while round s is in
   flight -- and downloads the state of step s+1 in the background in place of round s's update. It
   joins round s+1 with those gradients, and waits for the download before computing step s+2's.
-  Only its contribution to step s is lost. If the state that arrives is newer than s+1 (the
-  collaboration moved on without it), its gradients are dropped as in a resync.
+  Only its contribution to step s is lost. A state of step s+2, arriving after it joined round
+  s+1, already holds that round: the peer takes it as is. Anything newer means the collaboration
+  moved on without it: its gradients are dropped, as in a resync.
 - The scheduler and the logs follow the global step.
 """
 
@@ -293,16 +294,17 @@ class CollaborativeOptimizer:
             return False
         inflight, global_step = self._inflight, self.global_step
         self.load_state_dict(state)  # sets both steps to the state's
-        # the work in hand was meant for this state: the round started on top of it, or the gradients
-        # being accumulated for the step it opens
-        kept = step == (inflight.step if inflight is not None else global_step)
-        if kept:
+        kept = True
+        if inflight is not None and step == inflight.step:  # the round under way applies on top of it
             self.global_step = global_step
-        else:
+        elif step == global_step:  # it opens the step being accumulated (and holds any round before it)
+            self._drop_inflight()
+        else:  # the collaboration moved on without this peer: its work in hand is for an older state
             self._drop_inflight()
             self.acc.reset()
             self._zero_grads()
             self.resyncs += 1
+            kept = False
         logger.info(f"caught up: state of step {step} downloaded from {donor} ({len(blob) / 1e6:.1f} MB, "
                     f"{time.monotonic() - catchup.started:.2f} s)" +
                     ("" if kept else f"; the collaboration had moved on, so the gradients for step "
