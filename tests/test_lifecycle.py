@@ -23,10 +23,13 @@ def test_identity_persists_across_restarts(tmp_path):
 
 def test_unreachable_initial_peer_is_a_clear_error():
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWLrqEJY5XQxXrfrsJsV9T57JFrx9DEkqjut99TdPL7ndm"
+    before = {f for f in os.listdir("/tmp") if f.startswith("hivemind-")}
     t0 = time.monotonic()
     with pytest.raises(JoinError, match="could not join.*127.0.0.1/tcp/9"):
         Peer(PeerConfig(run_id="x", initial_peers=(dead,), startup_timeout=15))
     assert time.monotonic() - t0 < 40
+    after = {f for f in os.listdir("/tmp") if f.startswith("hivemind-")}
+    assert after - before == set(), f"stale socket files: {after - before}"
     with pytest.raises(JoinError, match="not a full multiaddr"):
         Peer(PeerConfig(run_id="x", initial_peers=("/ip4/127.0.0.1/tcp/9",)))
 

@@ -4,12 +4,14 @@ Lives inside the runtime process (see runtime.py). Guarantees:
 - the identity key persists in ``identity_path``, so a restarted peer keeps its peer ID;
 - in client mode the daemon listens on no address: the peer only dials out;
 - an unreachable initial peer raises :class:`JoinError` naming the addresses, within the startup timeout;
-- ``shutdown()`` stops the DHT and terminates the daemon, removing its socket files.
+- ``shutdown()`` stops the DHT and terminates the daemon, removing its socket files; so does a
+  failed ``create()``, even when the daemon exited on its own (hivemind then leaves its socket).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import time
@@ -23,6 +25,8 @@ from dedloc.config import PeerConfig
 from dedloc.errors import JoinError
 
 logger = logging.getLogger(__name__)
+_launching: contextvars.ContextVar[list[str]] = contextvars.ContextVar("dedloc_daemon_sockets")
+"""While ``Node.create`` starts a daemon: where the daemon's socket goes (for clean-up on failure)."""
 
 
 class _Daemon(P2P):
@@ -36,6 +40,12 @@ class _Daemon(P2P):
 
     @staticmethod
     def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:
+        sockets = _launching.get(None)
+        if sockets is not None:
+            try:
+                sockets.append(str(kwargs["listen"]["unix"]))
+            except Exception:
+                pass
         return P2P._make_process_args(*args, **kwargs) + ["-noise=0"]
 
 
@@ -59,7 +69,8 @@ class Node:
             parent = os.path.dirname(os.path.abspath(config.identity_path))
             if not os.path.isdir(parent):
                 raise JoinError(f"identity_path directory {parent} does not exist")
-        p2p = None
+        p2p, sockets = None, []
+        launching = _launching.set(sockets)
         try:
             p2p = await _Daemon.create(
                 initial_peers=list(config.initial_peers) or None,
@@ -88,11 +99,18 @@ class Node:
         except Exception as e:
             if p2p is not None:
                 await p2p.shutdown()
+            for path in sockets:  # a daemon that exited by itself, or one hivemind gave up on, leaves it
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
             if isinstance(e, JoinError):
                 raise
             hint = f" {list(config.initial_peers)}" if config.initial_peers else ""
             raise JoinError(f"could not join the collaboration through the initial peers{hint}: "
                             f"{type(e).__name__}: {e}") from None
+        finally:
+            _launching.reset(launching)
         return cls(p2p, dht, config)
 
     def socket_paths(self) -> list[str]:
