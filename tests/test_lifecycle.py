@@ -13,6 +13,11 @@ from conftest import sessions_alive
 from dedloc import JoinError, Peer, PeerConfig
 
 
+def hivemind_files() -> set[str]:
+    """The p2p daemons' socket files in /tmp (tests compare them before and after)."""
+    return {f for f in os.listdir("/tmp") if f.startswith("hivemind-")}
+
+
 def test_identity_persists_across_restarts(tmp_path):
     path = str(tmp_path / "peer.key")
     with Peer(PeerConfig(run_id="ident", identity_path=path)) as a:
@@ -23,12 +28,12 @@ def test_identity_persists_across_restarts(tmp_path):
 
 def test_unreachable_initial_peer_is_a_clear_error():
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWLrqEJY5XQxXrfrsJsV9T57JFrx9DEkqjut99TdPL7ndm"
-    before = {f for f in os.listdir("/tmp") if f.startswith("hivemind-")}
+    before = hivemind_files()
     t0 = time.monotonic()
     with pytest.raises(JoinError, match="could not join.*127.0.0.1/tcp/9"):
         Peer(PeerConfig(run_id="x", initial_peers=(dead,), startup_timeout=15))
     assert time.monotonic() - t0 < 40
-    after = {f for f in os.listdir("/tmp") if f.startswith("hivemind-")}
+    after = hivemind_files()
     assert after - before == set(), f"stale socket files: {after - before}"
     with pytest.raises(JoinError, match="not a full multiaddr"):
         Peer(PeerConfig(run_id="x", initial_peers=("/ip4/127.0.0.1/tcp/9",)))
@@ -49,7 +54,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_interrupted_or_killed_training_process_leaves_nothing(sig):
-    before = {f for f in os.listdir("/tmp") if f.startswith("hivemind-")}
+    before = hivemind_files()
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, text=True)
     runtime_pid = int(proc.stdout.readline())
     assert sessions_alive([runtime_pid]), "the runtime and its daemon should be running"
@@ -59,7 +64,7 @@ def test_interrupted_or_killed_training_process_leaves_nothing(sig):
     while sessions_alive([runtime_pid]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sessions_alive([runtime_pid]) == []
-    after = {f for f in os.listdir("/tmp") if f.startswith("hivemind-")}
+    after = hivemind_files()
     assert after - before == set(), f"stale socket files: {after - before}"
 
 
