@@ -33,6 +33,8 @@ class PeerService:
     def __init__(self, node: Node, averager: Averager, states: StateServer, planner: Planner):
         self.node, self.averager, self.states, self.planner = node, averager, states, planner
         self.buffers: dict[str, SharedBuffer] = {}
+        self._progress: tuple[dict[str, Any], float] | None = None
+        """The last progress record published (and its ttl), kept alive while a download blocks."""
 
     @classmethod
     async def create(cls, peer_config: PeerConfig, averaging_config: AveragingConfig) -> "PeerService":
@@ -60,13 +62,16 @@ class PeerService:
         return time.time()
 
     async def publish_progress(self, record: dict[str, Any], ttl: float) -> bool:
+        self._progress = (record, ttl)
         return await self.node.store(self.node.key("progress"), self.node.peer_id.to_base58(), record, ttl)
 
     async def read_progress(self) -> list[ProgressRecord]:
+        """Everyone's live progress records, less those published before their peer announced leaving
+        (a peer restarted under the same identity is visible again from its first new record)."""
         entries, left = await asyncio.gather(self.node.get(self.node.key("progress")),
                                              self.node.get(self.node.key("left")))
         return [r for p, (v, _) in entries.items()
-                if p not in left and (r := ProgressRecord.from_wire(p, v)) is not None]
+                if (r := ProgressRecord.from_wire(p, v)) is not None and not _left_after(left.get(p), r)]
 
     async def report(self, record: dict[str, Any], ttl: float) -> tuple[list[ProgressRecord], bool]:
         """Publish this peer's progress, then read everyone's; also says whether a newcomer wants our state."""
@@ -76,14 +81,35 @@ class PeerService:
         return await self.read_progress(), self.states.wanted
 
     async def leave(self, ttl: float) -> None:
-        """Tell the others this peer left, so they stop waiting for it before its record expires."""
-        await self.node.store(self.node.key("left"), self.node.peer_id.to_base58(), True, ttl)
+        """Tell the others this peer left, so they stop waiting for it before its record expires.
+
+        The mark holds the time of leaving: it hides only the records published before it."""
+        await self.node.store(self.node.key("left"), self.node.peer_id.to_base58(), time.time(), ttl)
 
     async def offer_state(self, step: int, blob: bytes) -> None:
         await self.states.offer(step, blob)
 
     async def download_state(self, donors: list[str], min_step: int, timeout: float) -> tuple[int, bytes, str]:
-        return await self.states.download(donors, min_step, timeout)
+        """Download a state (see StateServer.download). Meanwhile the last progress record is
+        republished before it expires: a peer blocked in a download stays visible to the others
+        (were its record to expire, a newcomer could take an older checkpoint for the collaboration's
+        state and fork from it)."""
+        keepalive = asyncio.create_task(self._keep_visible())
+        try:
+            return await self.states.download(donors, min_step, timeout)
+        finally:
+            keepalive.cancel()
+            await asyncio.gather(keepalive, return_exceptions=True)
+
+    async def _keep_visible(self) -> None:
+        while self._progress is not None:
+            record, ttl = self._progress
+            await asyncio.sleep(ttl / 3)
+            if self._progress is not None and self._progress[0] is record:  # nothing newer was published
+                try:
+                    await self.node.store(self.node.key("progress"), self.node.peer_id.to_base58(), record, ttl)
+                except Exception as e:
+                    logger.debug(f"could not refresh the progress record: {e!r}")
 
     async def register_buffer(self, name: str, shm_name: str, numel: int) -> None:
         if name in self.buffers:
@@ -133,6 +159,16 @@ class PeerService:
             buf.close()
         await self.node.shutdown()
         logger.info(f"left the collaboration ({self.node.peer_id.to_base58()})")
+
+
+def _left_after(mark: tuple[Any, float] | None, record: ProgressRecord) -> bool:
+    """Whether a "left" mark hides ``record``: it was published no later than the peer left."""
+    if mark is None:
+        return False
+    left_at = mark[0]
+    if isinstance(left_at, bool) or not isinstance(left_at, (int, float)):
+        return True  # a mark without a time hides every record of that peer until it expires
+    return record.time <= left_at
 
 
 async def create(peer_config: PeerConfig, averaging_config: AveragingConfig) -> PeerService:

@@ -218,7 +218,8 @@ async def send_paced(writer: asyncio.StreamWriter, reader: asyncio.StreamReader,
     finally:
         if not credits.done():
             credits.cancel()
-            await asyncio.gather(credits, return_exceptions=True)
+        # retrieved even when the write failed first (else asyncio logs "exception was never retrieved")
+        await asyncio.gather(credits, return_exceptions=True)
     return Transfer(total, start, time.monotonic(), delay)
 
 

@@ -50,6 +50,7 @@ import torch
 
 from dedloc.config import OptimizerConfig
 from dedloc.errors import AveragingError, MatchmakingError, ProtocolError, RuntimeClosedError, StateError
+from dedloc.optim import lineage
 from dedloc.optim.accumulator import GradientAccumulator
 from dedloc.optim.scaling import CollaborativeScale
 from dedloc.peer import Peer
@@ -88,6 +89,8 @@ class _Seen:
 
 FAR_MARGIN = 2.0
 MAX_VIEW_AGE = 5.0
+FRESH_GRACE = 10.0
+"""Seconds a catch-up keeps asking before it concludes that no member holds the missed update."""
 
 
 @dataclass
@@ -138,6 +141,10 @@ class CollaborativeOptimizer:
         """State downloads that dropped this peer's gradients (joining counts as one)."""
         self.catchups = 0
         """Missed updates replaced by a state downloaded in the background, gradients kept (delayed updates)."""
+        self.skipped_steps = 0
+        """Steps whose round failed for every member (delayed updates): skipped by all, parameters unchanged."""
+        self.forks_refused = 0
+        """Downloaded states refused because they rewrite steps the collaboration took otherwise."""
         self._inflight: _Inflight | None = None
         self._catchup: _CatchUp | None = None
         self._wanted = False
@@ -149,6 +156,8 @@ class CollaborativeOptimizer:
         """Progress reports the training loop waited for, and ones sent in the background."""
         self._last_end: float | None = None
         self._fingerprint = self._hash()
+        self._lineage = lineage.extend({}, self._fingerprint)
+        """Fingerprints of the recent steps these parameters went through (travels with the state)."""
         self._closed = False
         view = self._report(busy=False)
         if view.global_step > self.global_step or self._disagrees(view):
@@ -182,7 +191,7 @@ class CollaborativeOptimizer:
                 view = self._report(busy=True)
             if view.global_step > self.global_step + 1 or self._disagrees(view):
                 self._resync(view, f"the collaboration is at step {view.global_step}" if
-                             view.global_step > self.global_step + 1 else "parameters differ from the majority's")
+                             view.global_step > self.global_step + 1 else self._disagreement(view))
                 return StepOutcome.RESYNCED
             if view.samples_at(self.global_step) < self.config.target_batch_size and \
                     view.global_step <= self.global_step:
@@ -284,14 +293,30 @@ class CollaborativeOptimizer:
         self.catchups += 1
 
     def _land_catchup(self) -> bool:
-        """Wait for the catch-up download and load it; False if the gradients in hand were dropped."""
+        """Wait for the catch-up download and load it; False if the gradients in hand were dropped.
+
+        If no peer has the state (the round failed for every member), the members agree that the
+        step is lost: each skips it, parameters unchanged, once no live peer shows the update
+        applied and the round's stragglers have had ``2 * matchmaking_time + FRESH_GRACE`` to."""
         catchup, self._catchup = self._catchup, None
-        try:
-            step, blob, donor = catchup.future.result(self.config.state_timeout + 30)
-            state = snapshot.decode(blob)
-        except (StateError, ProtocolError, cf.TimeoutError) as e:
-            self._resync(self.peer.collaboration(), f"catching up failed: {e}", min_step=catchup.min_step)
-            return False
+        while True:
+            try:
+                step, blob, donor = catchup.future.result(self.config.state_timeout + 30)
+                state = snapshot.decode(blob)
+                self._check_lineage(state, donor, self.peer.collaboration())
+                break
+            except (StateError, ProtocolError, cf.TimeoutError) as e:
+                view = self._report(busy=False)
+                if any(p[0] >= catchup.min_step for r in view.peers if (p := lineage.parse(r.fingerprint))):
+                    self._resync(view, f"catching up failed: {e}", min_step=catchup.min_step)
+                    return False
+                if time.monotonic() - catchup.started < 2 * self.peer.averaging.matchmaking_time + FRESH_GRACE:
+                    time.sleep(0.5)  # a member whose round succeeded may not have published it yet
+                    catchup = _CatchUp(catchup.min_step, self.peer.download_state_async(
+                        self._donors(view, catchup.min_step), catchup.min_step, FRESH_GRACE), catchup.started)
+                    continue
+                self._skip_lost_step(catchup.min_step - 1)
+                return True
         inflight, global_step = self._inflight, self.global_step
         self.load_state_dict(state)  # sets both steps to the state's
         kept = True
@@ -311,6 +336,16 @@ class CollaborativeOptimizer:
                                      f"{global_step} were dropped"))
         return kept
 
+    def _skip_lost_step(self, step: int) -> None:
+        """Every member lost the round of ``step``: count it as taken without an update, as they all do."""
+        self.applied_step = step + 1
+        self._fingerprint = self._hash()
+        self._lineage = lineage.extend(self._lineage, self._fingerprint)
+        self.skipped_steps += 1
+        self.history.append(RoundRecord(step, 0, 0.0, 0, 0.0, True))
+        logger.warning(f"step {step} was lost by every member (no peer holds its update): skipped by all, "
+                       f"parameters unchanged; still accumulating for step {self.global_step}")
+
     def _apply(self, step: int, vector: torch.Tensor, stats: dict[str, Any], local_samples: int,
                started: float) -> StepOutcome:
         overflow = bool(vector[-1] > 0)
@@ -329,6 +364,7 @@ class CollaborativeOptimizer:
             self.global_step = step + 1
             self.acc.reset()
         self._fingerprint = self._hash()
+        self._lineage = lineage.extend(self._lineage, self._fingerprint)
         if self._wanted and self._catchup is None:
             # a peer waits for a newer state: offer it between applying this update and starting the
             # next round (when rounds outlast compute, no report falls in that gap)
@@ -406,10 +442,49 @@ class CollaborativeOptimizer:
         return f"{self.applied_step}:{snapshot.fingerprint(self.params)}"
 
     def _disagrees(self, view: CollaborationView) -> bool:
+        """This peer's parameters differ from the majority's at its step, or its recent history is
+        a fork that the live peers outvote (see optim/lineage.py)."""
         if not self.config.verify_sync or self._inflight is not None or self._catchup is not None:
             return False
         consensus = view.consensus_fingerprint(self.applied_step)
-        return consensus is not None and consensus != self._fingerprint
+        return (consensus is not None and consensus != self._fingerprint) or self._forked(view)
+
+    def _forked(self, view: CollaborationView) -> bool:
+        me = self.peer.peer_id
+        return lineage.votes(self._lineage, view, exclude=me).outvoted(own=me)
+
+    def _disagreement(self, view: CollaborationView) -> str:
+        if self._forked(view):
+            return (f"this peer's parameters since step {lineage.first_conflict(self._lineage, view)} are a fork "
+                    f"that the other peers outvote")
+        return "parameters differ from the majority's"
+
+    def _state_fingerprint(self, state: dict[str, Any]) -> str | None:
+        """The fingerprint these parameters would have after loading ``state`` (None: cannot tell)."""
+        try:
+            if self.model is not None:
+                names = {id(p): n for n, p in self.model.named_parameters()}
+                tensors = [state["model"][names[id(p)]] for p in self.params]
+            else:
+                tensors = list(state["params"])
+            return f"{int(state['step'])}:{snapshot.fingerprint(tensors)}"
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+    def _check_lineage(self, state: dict[str, Any], donor: str, view: CollaborationView) -> None:
+        """Refuse (ProtocolError) a state whose history the live peers outvote: adopting it would
+        rewrite steps the collaboration already took with other parameters."""
+        if not self.config.verify_sync:
+            return
+        own = self._state_fingerprint(state)
+        if own is None:
+            return  # it does not fit the model: loading it raises StateError by name
+        history = lineage.extend(_lineage_of(state), own)
+        if lineage.votes(history, view, exclude=self.peer.peer_id).outvoted(own=donor):
+            self.forks_refused += 1
+            at = lineage.first_conflict(history, view)
+            raise ProtocolError(f"its state of step {state['step']} rewrites step {at}, which the collaboration "
+                                f"took with other parameters (a fork): refused")
 
     def _donors(self, view: CollaborationView, step: int) -> list[str]:
         me = self.peer.peer_id
@@ -432,24 +507,48 @@ class CollaborativeOptimizer:
             cf.wait([inflight.future], timeout=self.config.max_gather_wait + 2 * avg.matchmaking_time
                     + avg.averaging_timeout + 30)
 
+    def _sync_target(self, view: CollaborationView, min_step: int) -> tuple[int | None, list[str]]:
+        """The step to download and the donors to try; (None, []) if this peer already holds the
+        collaboration's state (nothing to download: e.g. a round that failed for every member)."""
+        me = self.peer.peer_id
+        if self.config.verify_sync and self._forked(view):  # step back to the history the others took
+            theirs = set(lineage.votes(self._lineage, view, exclude=me).disagree)
+            target = max(lineage.parse(r.fingerprint)[0] for r in view.peers if r.peer_id in theirs)
+            return target, [d for d in self._donors(view, target) if d in theirs]
+        target = max(view.global_step, min_step)
+        if target <= self.applied_step and not self._disagrees(view):
+            return None, []
+        return target, self._donors(view, target)
+
     def _resync(self, view: CollaborationView, reason: str, min_step: int = 0) -> None:
+        """Drop the gradients in hand and load the collaboration's state (downloaded unless this peer
+        already holds it); raises StateError if no donor sends an acceptable one within state_timeout.
+
+        While it waits, the runtime keeps this peer's (emptied) progress record alive, so the others
+        still see it and a newcomer never mistakes an older checkpoint for the collaboration's state."""
         self._drop_inflight()
         self._catchup = None
         self.acc.reset()
         self._zero_grads()
-        target = max(view.global_step, min_step)
+        view = self._report(busy=False)  # the dropped samples must not count toward the step any more
+        target, donors = self._sync_target(view, min_step)
+        if target is None:
+            logger.info(f"{reason}: this peer already holds the collaboration's state of step {self.applied_step}; "
+                        f"its gradients are dropped, nothing to download")
+            return
         logger.info(f"out of sync ({reason}): downloading the state of step >= {target}")
         t0 = time.monotonic()
         deadline = t0 + self.config.state_timeout
-        refused: set[str] = set()  # donors whose state did not decode
+        refused: set[str] = set()  # donors whose state did not decode, or was a fork
         reasons: list[str] = []
         pause = 0.5
         while True:
-            donors = [d for d in self._donors(view, target) if d not in refused]
+            donors = [d for d in donors if d not in refused]
             try:
                 step, blob, donor = self.peer.download_state(donors, target, max(1.0, deadline - time.monotonic()))
                 state = snapshot.decode(blob)
-            except ProtocolError as e:  # this donor's bytes are not a state: try the others
+                self._check_lineage(state, donor, view)
+            except ProtocolError as e:  # this donor's bytes are not a state, or not the collaboration's: try others
                 refused.add(donor)
                 why = f"the state from {donor} was refused: {e}"
                 logger.warning(f"{why}; trying another donor")
@@ -465,7 +564,12 @@ class CollaborativeOptimizer:
                                  + "".join(f"; {r}" for r in reasons)) from None
             time.sleep(pause)
             pause = min(5.0, 2 * pause)
-            view = self.peer.collaboration()
+            view = self._report(busy=False)  # stay visible; offer our state if someone waits for it
+            target, donors = self._sync_target(view, min_step)
+            if target is None:
+                logger.info(f"the collaboration is back at this peer's state of step {self.applied_step}: "
+                            f"nothing to download")
+                return
         self.resyncs += 1
         logger.info(f"state of step {step} downloaded from {donor} ({len(blob) / 1e6:.1f} MB, "
                     f"{time.monotonic() - t0:.2f} s)")
@@ -474,7 +578,8 @@ class CollaborativeOptimizer:
     # ---- state -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a peer needs to continue from here: parameters, optimizer, scheduler, scale, step."""
-        state: dict[str, Any] = {"step": self.applied_step, "optimizer": self.opt.state_dict()}
+        state: dict[str, Any] = {"step": self.applied_step, "optimizer": self.opt.state_dict(),
+                                 "lineage": dict(self._lineage)}
         if self.model is not None:
             state["model"] = self.model.state_dict()
         else:
@@ -514,10 +619,19 @@ class CollaborativeOptimizer:
             self.scale.load_state_dict(state["scaler"])
         self.global_step = self.applied_step = int(state["step"])
         self._fingerprint = self._hash()
+        self._lineage = lineage.extend(_lineage_of(state), self._fingerprint)
 
     def _zero_grads(self) -> None:
         for p in self.params:
             p.grad = None
+
+
+def _lineage_of(state: dict[str, Any]) -> dict[int, str]:
+    """The history a state carries (empty if it has none or a malformed one)."""
+    raw = state.get("lineage")
+    if not isinstance(raw, dict):
+        return {}
+    return {k: v for k, v in raw.items() if isinstance(k, int) and isinstance(v, str) and lineage.parse(v)}
 
 
 __all__ = ["CollaborativeOptimizer", "StepOutcome", "RoundRecord"]

@@ -6,9 +6,14 @@ net/rpc.py); the donor answers ``{"step", "size"}`` then ``size`` raw bytes, or 
 - a donor serves at most ``max_uploads`` requesters at once and answers ``busy`` beyond that, so
   newcomers spread over donors (they try donors in random order);
 - when a requester wants a newer state than the donor has cached, the donor flags it as wanted;
-  the training process sees the flag at its next report and offers a fresh state;
+  the training process sees the flag at its next report and offers a fresh state. The donor waits
+  for that offer (at most ``FRESH_WAIT``) without holding an upload slot, and answers ``behind`` at
+  once when it cannot produce the state: its training loop is behind ``min_step``, or is itself
+  downloading a state (two peers that both wait for the other's newer state never deadlock);
 - a download has a deadline, checks the announced size against a cap, and tries the next donor on
-  any failure; it raises StateError naming every donor tried when none succeeded.
+  any failure. Each donor's answer must come within ``HEADER_WAIT`` (a donor that never answers
+  costs that much, not the whole deadline); the bytes then get what is left of the deadline. It
+  raises StateError naming every donor tried when none succeeded.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ logger = logging.getLogger(__name__)
 UPLOAD_GRACE = 300.0
 CHUNK = 4 << 20
 MAX_STATE_BYTES = 64 << 30
-FRESH_WAIT = 30.0
+FRESH_WAIT = 15.0
+HEADER_WAIT = FRESH_WAIT + 10.0
 
 
 @dataclass
@@ -45,6 +51,8 @@ class StateServer:
         self.cached: _Cached | None = None
         self.training_step = -1
         self.wanted = False
+        self.downloading = 0
+        """Downloads this peer has under way: while it waits for a state, it offers no newer one."""
         self._offered = asyncio.Condition()
         self._uploads = asyncio.Semaphore(max_uploads)
 
@@ -60,9 +68,11 @@ class StateServer:
             self._offered.notify_all()
 
     async def _fresh(self, min_step: int) -> _Cached | None:
+        """The cached state if it is at ``min_step`` or later; else wait (bounded) for the training
+        loop to offer one, if it can; None if not."""
         if self.cached is not None and self.cached.step >= min_step:
             return self.cached
-        if self.training_step < min_step:
+        if self.training_step < min_step or self.downloading:
             return None
         self.wanted = True
         async with self._offered:
@@ -81,14 +91,15 @@ class StateServer:
             if not isinstance(request, dict) or request.get("v") != VERSION or not isinstance(
                     request.get("min_step"), int):
                 raise ProtocolError(f"malformed state request (protocol {VERSION} expected)")
+            state = await self._fresh(request["min_step"])  # waits without holding an upload slot
+            if state is None:
+                await rpc.reply_last(reader, writer, {"error": f"no state at step >= {request['min_step']}",
+                                                      "behind": True})
+                return
             if self._uploads.locked():
                 await rpc.reply_last(reader, writer, {"busy": True})
                 return
             async with self._uploads:
-                state = await self._fresh(request["min_step"])
-                if state is None:
-                    await rpc.reply_last(reader, writer, {"error": f"no state at step >= {request['min_step']}"})
-                    return
                 await rpc.write_message(writer, {"step": state.step, "size": len(state.blob)})
                 view = memoryview(state.blob)
                 for i in range(0, len(view), CHUNK):
@@ -107,25 +118,35 @@ class StateServer:
         """Fetch a state at step >= min_step from the first donor that has one, trying them in order."""
         deadline = time.monotonic() + timeout
         reasons: list[str] = []
-        for donor in donors:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                reasons.append(f"{donor}: deadline passed")
-                break
-            try:
-                step, blob = await asyncio.wait_for(self._download_from(donor, min_step), left)
-                return step, blob, donor
-            except Exception as e:  # any failure of one donor: try the next
-                reasons.append(f"{donor}: {type(e).__name__}: {e}")
-                logger.debug(f"state download from {donor} failed: {e!r}")
+        self.downloading += 1
+        try:
+            for donor in donors:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    reasons.append(f"{donor}: deadline passed")
+                    break
+                try:
+                    step, blob = await asyncio.wait_for(self._download_from(donor, min_step, deadline), left)
+                    return step, blob, donor
+                except Exception as e:  # any failure of one donor: try the next
+                    reasons.append(f"{donor}: {type(e).__name__}: {e}")
+                    logger.debug(f"state download from {donor} failed: {e!r}")
+        finally:
+            self.downloading -= 1
         raise StateError(f"could not download the state at step >= {min_step}: " + ("; ".join(reasons)
                          if reasons else "no donor is advertising it"))
 
-    async def _download_from(self, donor: str, min_step: int) -> tuple[int, bytes]:
-        _, reader, writer = await self.node.p2p.call_binary_stream_handler(PeerID.from_base58(donor), self.proto)
+    async def _download_from(self, donor: str, min_step: int, deadline: float) -> tuple[int, bytes]:
+        header_by = min(deadline, time.monotonic() + HEADER_WAIT)
+        _, reader, writer = await asyncio.wait_for(
+            self.node.p2p.call_binary_stream_handler(PeerID.from_base58(donor), self.proto),
+            max(0.1, header_by - time.monotonic()))
         try:
             await rpc.write_message(writer, {"v": VERSION, "min_step": min_step})
-            head = await rpc.read_message(reader)
+            try:
+                head = await asyncio.wait_for(rpc.read_message(reader), max(0.1, header_by - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise StateError(f"no answer within {HEADER_WAIT:.0f} s") from None
             if not isinstance(head, dict):
                 raise ProtocolError("malformed answer")
             if head.get("busy"):

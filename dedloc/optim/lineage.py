@@ -1,0 +1,80 @@
+"""Which history of parameters the collaboration took: lineages and the live peers' votes on them.
+
+A *lineage* maps each recent applied step to the fingerprint of the parameters after it
+(``"<step>:<hash>"`` as published in progress records). It travels with every state, so a peer
+can tell whether a state continues the steps that the collaboration already took, or rewrites
+them (a fork: e.g. a newcomer that trained alone from a stale checkpoint while the others were
+frozen or invisible).
+
+Votes: every live peer's published fingerprint ``"t:h"`` is a vote at step ``t``. Against a
+lineage it *agrees* if the lineage holds ``h`` at ``t``, *disagrees* if it holds another hash
+there, and says nothing if the lineage does not reach ``t`` (the peer is ahead, or too far
+behind). The side with more votes is the collaboration's history; a tie goes to the side
+whose smallest voting peer id is smaller, so every peer decides the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dedloc.records import CollaborationView
+
+KEEP = 64
+"""Steps of history a lineage keeps (forks older than this go unnoticed)."""
+
+
+def parse(fingerprint: str) -> tuple[int, str] | None:
+    step, sep, digest = fingerprint.partition(":")
+    if not sep or not digest or not step.isdigit():
+        return None
+    return int(step), digest
+
+
+def extend(lineage: dict[int, str], fingerprint: str) -> dict[int, str]:
+    """``lineage`` with ``fingerprint`` added (keeping the newest KEEP steps, none after it)."""
+    parsed = parse(fingerprint)
+    if parsed is None:
+        return dict(lineage)
+    step, _ = parsed
+    out = {s: f for s, f in lineage.items() if s < step}
+    out[step] = fingerprint
+    for s in sorted(out)[:-KEEP]:
+        del out[s]
+    return out
+
+
+@dataclass(frozen=True)
+class Votes:
+    agree: tuple[str, ...]
+    """Peer ids whose published fingerprint lies on the lineage."""
+    disagree: tuple[str, ...]
+    """Peer ids whose published fingerprint contradicts it at the same step."""
+
+    def outvoted(self, own: str | None = None) -> bool:
+        """Whether the contradicting side wins (``own``: a peer id that counts for the lineage)."""
+        agree = set(self.agree) | ({own} if own else set())
+        disagree = set(self.disagree) - agree
+        if len(disagree) != len(agree):
+            return len(disagree) > len(agree)
+        return bool(disagree) and min(disagree) < min(agree)
+
+
+def votes(lineage: dict[int, str], view: CollaborationView, exclude: str = "") -> Votes:
+    """The live peers' votes on ``lineage`` (``exclude``: a peer id whose vote is not counted)."""
+    agree, disagree = [], []
+    for r in view.peers:
+        parsed = parse(r.fingerprint) if r.peer_id != exclude else None
+        if parsed is None or parsed[0] not in lineage:
+            continue
+        (agree if lineage[parsed[0]] == r.fingerprint else disagree).append(r.peer_id)
+    return Votes(tuple(agree), tuple(disagree))
+
+
+def first_conflict(lineage: dict[int, str], view: CollaborationView) -> int | None:
+    """The earliest step at which a live peer's fingerprint contradicts ``lineage``."""
+    steps = [p[0] for r in view.peers if (p := parse(r.fingerprint)) is not None
+             and p[0] in lineage and lineage[p[0]] != r.fingerprint]
+    return min(steps, default=None)
+
+
+__all__ = ["KEEP", "parse", "extend", "Votes", "votes", "first_conflict"]
