@@ -152,8 +152,11 @@ class PeerService:
     async def closed_round(self, step: int) -> dict[str, list[str]]:
         return await self.averager.matchmaker.closed_round(step)
 
-    async def shutdown(self) -> None:
-        await self.averager.drain(DRAIN_TIMEOUT)  # finish serving parts others still read from us
+    async def shutdown(self, drain: bool = True) -> None:
+        """Leave: finish serving parts others still read from us (``drain``, bounded), then stop.
+        Without ``drain`` (the training process died), stop at once: its peer id is free for a restart."""
+        if drain:
+            await self.averager.drain(DRAIN_TIMEOUT)
         await self.planner.close()
         for buf in self.buffers.values():
             buf.close()

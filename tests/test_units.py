@@ -268,3 +268,38 @@ def test_buffer_pool_reuses_and_bounds_idle_memory():
         pool.give(t)
     assert pool._idle_bytes <= 3 * 400
     assert pool.take(100, dtype=torch.float16).dtype == torch.float16
+
+
+# ---- lineage: which history the collaboration took ---------------------------------------------------------
+def _view(*fps):
+    from dedloc.records import CollaborationView, ProgressRecord, Role
+    return CollaborationView.build([ProgressRecord(f"peer{i}", 0, 0, 0.0, Role.TRAINER, fingerprint=fp)
+                                    for i, fp in enumerate(fps)], now=0.0)
+
+
+def test_lineage_votes_count_only_steps_the_lineage_holds():
+    from dedloc.optim import lineage
+    ours = {}
+    for fp in ("3:a", "4:b", "5:c"):
+        ours = lineage.extend(ours, fp)
+    v = lineage.votes(ours, _view("4:b", "5:c", "4:x", "9:z", ""))
+    assert v.agree == ("peer0", "peer1") and v.disagree == ("peer2",)
+    assert not v.outvoted()
+    assert lineage.first_conflict(ours, _view("4:x", "3:y")) == 3
+    # a newcomer that trained alone from an old checkpoint: the others, back, outvote it
+    fork = lineage.extend(lineage.extend({3: "3:a"}, "4:f"), "5:g")
+    assert lineage.votes(fork, _view("4:b", "4:b", "5:g"), exclude="peer2").outvoted(own="peer2")
+    # a tie goes to the side whose smallest voting peer id is smaller, on both sides alike
+    tie = lineage.votes({4: "4:b"}, _view("4:b", "4:x"))
+    assert tie.outvoted() is False and lineage.votes({4: "4:x"}, _view("4:b", "4:x")).outvoted() is True
+
+
+def test_lineage_keeps_the_newest_steps_and_drops_a_rewritten_future():
+    from dedloc.optim import lineage
+    ours = {}
+    for s in range(lineage.KEEP + 10):
+        ours = lineage.extend(ours, f"{s}:h{s}")
+    assert len(ours) == lineage.KEEP and min(ours) == 10
+    again = lineage.extend(ours, "20:new")  # a state of step 20 replaces everything after it
+    assert max(again) == 20 and again[20] == "20:new" and again[19] == "19:h19"
+    assert lineage.extend(ours, "garbage") == ours and lineage.parse("x:1") is None

@@ -18,6 +18,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from dedloc.averaging.allreduce import PartitionedRound, RoundStats
 from dedloc.averaging.buffers import BufferPool
@@ -168,7 +169,13 @@ class Averager:
             writer.close()
 
     async def _open(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        _, reader, writer = await self.node.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), self.proto)
+        """A stream to ``peer_id``; ConnectionError naming it if the daemon cannot reach it (a dead peer),
+        so every round handles it as the broken connection it is."""
+        try:
+            _, reader, writer = await self.node.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id),
+                                                                                self.proto)
+        except P2PDaemonError as e:
+            raise ConnectionError(f"cannot reach {peer_id}: {type(e).__name__}: {e}") from None
         return reader, writer
 
     # ---- the entry point ----------------------------------------------------------------------------
@@ -195,7 +202,8 @@ class Averager:
         me = group.index(self.me)
         stats: dict[str, Any] = {"step": step, "group_size": len(group.members),
                                  "peers": [m.peer_id for m in group.members], "failovers": 0, "excluded": {},
-                                 "shares": [m.share for m in group.members], "strategy": group.strategy}
+                                 "shares": [m.share for m in group.members], "strategy": group.strategy,
+                                 "weights": [m.weight for m in group.members]}
         if len(group.members) == 1:
             output, total = tensor.clone(), weight
         elif group.strategy == "ring":

@@ -45,6 +45,9 @@ class _Lead:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     group: Group | None = None
     redirect: str | None = None
+    incarnations: dict[str, str] = field(default_factory=dict)
+    """Per member, the incarnation that joined: a peer restarted under the same identity is another
+    process, and never gets its predecessor's group (it would send another weight)."""
 
 
 SharePolicy = Callable[[tuple[Member, ...], int], Awaitable[tuple[float, ...]]]
@@ -69,6 +72,8 @@ class Matchmaker:
         self.node, self.config, self.share, self.policy = node, config, share, policy
         self.fetch = not config.aggregator_only
         self.me = node.peer_id.to_base58()
+        self.incarnation = os.urandom(8).hex()
+        """Tells this process from an earlier one under the same peer id (a restart)."""
         self.client = node.config.client_mode
         self.proto = f"dedloc.{node.config.run_id}.join"
         self._lead: dict[int, _Lead] = {}
@@ -158,8 +163,20 @@ class Matchmaker:
         if not candidates:
             raise MatchmakingError(f"step {step}: no reachable (non-client) peer is ready to aggregate")
         if candidates[0] == self.me:
-            return await self._run_lead(step, me, expected_peers, loop.time() + t, numel)
-        return await self._run_follow(step, me, candidates, loop.time() + 2 * t, gather, numel)
+            group = await self._run_lead(step, me, expected_peers, loop.time() + t, numel)
+        else:
+            group = await self._run_follow(step, me, candidates, loop.time() + 2 * t, gather, numel)
+        self._check_not_stale(step, loop.time() - (gather_deadline - gather))
+        return group
+
+    def _check_not_stale(self, step: int, elapsed: float) -> None:
+        """Refuse a group formed over longer than the step's ready/closed records live: this process
+        was suspended (a stopped laptop) and woke up to a step whose records had expired, so it could
+        only see itself, and would otherwise take the step alone, rewriting it."""
+        lifetime = 3 * self.config.matchmaking_time + self.config.averaging_timeout
+        if elapsed > lifetime:
+            raise MatchmakingError(f"step {step}: matchmaking took {elapsed:.0f} s, longer than the step's records "
+                                   f"live ({lifetime:.0f} s): this peer was suspended; the group is stale")
 
     # ---- leader ----------------------------------------------------------------------------------
     async def _run_lead(self, step: int, me: Member, expected: int | None, close_deadline: float,
@@ -219,6 +236,7 @@ class Matchmaker:
             step = int(request["step"])
             member = _parse_entry(peer, request)
             gather = min(max(float(request.get("g", 0.0)), 0.0), 600.0)
+            incarnation = str(request.get("i", ""))[:32]
             if member is None or step < 0:
                 raise ProtocolError("malformed join request")
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
@@ -237,9 +255,13 @@ class Matchmaker:
             if state.redirect:
                 return {"redirect": state.redirect}
             if state.group is not None and state.group.index(peer) is not None:
+                if state.incarnations.get(peer, incarnation) != incarnation:
+                    logger.info(f"step {step}: {peer} restarted after joining; its new process joins the next step")
+                    return {"missed": True}
                 return {"group": state.group.to_wire()}
             return {"missed": True}
         state.members[peer] = member
+        state.incarnations[peer] = incarnation
         await state.done.wait()
         if state.redirect:
             return {"redirect": state.redirect}
@@ -251,7 +273,7 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         self._decision(step).set()
         request = {"v": VERSION, "step": step, "w": me.weight, "s": me.share, "c": me.client, "f": me.fetch,
-                   "g": gather}
+                   "g": gather, "i": self.incarnation}
         tried: set[str] = set()
         leader = candidates[0]
         broken = 0

@@ -11,7 +11,9 @@ Guarantees:
 - ``close()`` (also run at exit, and on Ctrl+C through KeyboardInterrupt) stops the service,
   which terminates the p2p daemon; if the process does not exit in time, its whole process group
   (it and the daemon) is killed, so no daemon or socket file is left behind;
-- if the training process dies, the background process sees the pipe close and shuts down;
+- if the training process dies, the background process sees the pipe close and shuts down at
+  once, without serving what others still read from it (the peer is gone; a restart under the
+  same identity must not meet the old process still answering for it);
 - a call on a closed or crashed runtime raises RuntimeClosedError, never hangs.
 """
 
@@ -42,6 +44,8 @@ from dedloc.errors import DedlocError, JoinError, RuntimeClosedError
 
 logger = logging.getLogger(__name__)
 _live: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
+_ORPHANED = object()
+"""Inbox marker: the training process closed the pipe without asking to shut down (it died)."""
 
 
 def _close_all() -> None:
@@ -230,6 +234,7 @@ def _child_main(fd: int) -> None:
 
 
 async def _serve(conn, factory: str, args: tuple) -> None:
+    """Serve calls until asked to shut down; the service's ``shutdown(drain)`` drains unless orphaned."""
     module, _, attr = factory.partition(":")
     try:
         service = await getattr(importlib.import_module(module), attr)(*args)
@@ -245,7 +250,7 @@ async def _serve(conn, factory: str, args: tuple) -> None:
                 inbox.put_nowait(conn.recv())
         except (EOFError, OSError):
             loop.remove_reader(conn.fileno())
-            inbox.put_nowait(None)
+            inbox.put_nowait(_ORPHANED)
 
     loop.add_reader(conn.fileno(), on_readable)
     loop.add_signal_handler(signal.SIGTERM, inbox.put_nowait, None)
@@ -265,9 +270,14 @@ async def _serve(conn, factory: str, args: tuple) -> None:
         except (OSError, BrokenPipeError):
             pass
 
+    orphaned = False
     try:
         while True:
             msg = await inbox.get()
+            if msg is _ORPHANED:
+                orphaned = True
+                logger.info("the training process is gone: leaving without draining")
+                break
             if msg is None or msg[1] == "__shutdown__":
                 break
             task = asyncio.create_task(handle(*msg))
@@ -277,5 +287,5 @@ async def _serve(conn, factory: str, args: tuple) -> None:
         for task in list(tasks):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await service.shutdown()
+        await service.shutdown(drain=not orphaned)
 

@@ -78,6 +78,8 @@ class RoundRecord:
     group_size: int
     averaging_s: float
     skipped: bool
+    contributors: tuple[str, ...] = ()
+    """Peer ids whose gradients the averaged one holds (weight > 0, excluded from no part)."""
 
 
 @dataclass
@@ -125,8 +127,13 @@ class CollaborativeOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, peer: Peer, config: OptimizerConfig | None = None, *,
                  scheduler: Any = None, scaler: "torch.amp.GradScaler | None" = None,
-                 model: torch.nn.Module | None = None):
+                 model: torch.nn.Module | None = None,
+                 on_contribute: Callable[[int, int], None] | None = None):
+        """``on_contribute(step, samples)`` is called just before this peer sends its gradients for
+        ``step`` (all micro-batches accumulated since the last round or drop), from the training
+        thread; an exception in it propagates."""
         self.opt, self.peer = optimizer, peer
+        self.on_contribute = on_contribute
         self.config = (config or OptimizerConfig()).validate()
         self.scheduler, self.model = scheduler, model
         self.scale = CollaborativeScale(scaler) if scaler is not None else None
@@ -247,6 +254,8 @@ class CollaborativeOptimizer:
             vector.zero_()
             weight = 0.0
         local_samples = self.acc.samples
+        if self.on_contribute is not None:
+            self.on_contribute(step, local_samples if weight > 0 else 0)
         started = time.monotonic()
         expected = max(1, len(peers)) + len(view.aggregators)
         kwargs = dict(step=step, weight=weight, expected_peers=expected, gather_time=gather)
@@ -307,6 +316,9 @@ class CollaborativeOptimizer:
                 break
             except (StateError, ProtocolError, cf.TimeoutError) as e:
                 view = self._report(busy=False)
+                if self._skip_published(view, catchup.min_step):  # another member concluded first: follow it
+                    self._skip_lost_step(catchup.min_step - 1)
+                    return True
                 if any(p[0] >= catchup.min_step for r in view.peers if (p := lineage.parse(r.fingerprint))):
                     self._resync(view, f"catching up failed: {e}", min_step=catchup.min_step)
                     return False
@@ -335,6 +347,13 @@ class CollaborativeOptimizer:
                     ("" if kept else f"; the collaboration had moved on, so the gradients for step "
                                      f"{global_step} were dropped"))
         return kept
+
+    def _skip_published(self, view: CollaborationView, step: int) -> bool:
+        """A peer published ``step`` with exactly this peer's parameters: it skipped the lost step."""
+        if not self.config.verify_sync:
+            return False
+        skipped = f"{step}:{self._fingerprint.partition(':')[2]}"
+        return any(r.fingerprint == skipped for r in view.peers if r.peer_id != self.peer.peer_id)
 
     def _skip_lost_step(self, step: int) -> None:
         """Every member lost the round of ``step``: count it as taken without an update, as they all do."""
@@ -369,8 +388,11 @@ class CollaborativeOptimizer:
             # a peer waits for a newer state: offer it between applying this update and starting the
             # next round (when rounds outlast compute, no report falls in that gap)
             self.offer_state()
+        excluded = set(stats.get("excluded", ()))
+        contributors = tuple(p for p, w in zip(stats.get("peers", ()), stats.get("weights", ()))
+                             if w > 0 and p not in excluded)
         record = RoundRecord(step, local_samples, float(stats.get("total_weight", local_samples)),
-                             int(stats.get("group_size", 1)), time.monotonic() - started, overflow)
+                             int(stats.get("group_size", 1)), time.monotonic() - started, overflow, contributors)
         self.history.append(record)
         logger.info(f"step {step} averaged with {record.group_size} peers, batch {record.batch:.0f} samples, "
                     f"in {record.averaging_s:.2f} s" + (" (overflow: step skipped by all)" if overflow else ""))
@@ -480,7 +502,7 @@ class CollaborativeOptimizer:
         if own is None:
             return  # it does not fit the model: loading it raises StateError by name
         history = lineage.extend(_lineage_of(state), own)
-        if lineage.votes(history, view, exclude=self.peer.peer_id).outvoted(own=donor):
+        if lineage.votes(history, view).outvoted(own=donor):
             self.forks_refused += 1
             at = lineage.first_conflict(history, view)
             raise ProtocolError(f"its state of step {state['step']} rewrites step {at}, which the collaboration "

@@ -1,0 +1,506 @@
+"""Chaos soak: a collaboration under sustained churn, checked for lost steps, stalls, forks and leaks.
+
+    python bench/chaos.py --minutes 30 [--delay-updates] [--seed 0] [--trainers 5]
+
+Runs a backbone (checkpoints), an aggregator-only peer and ``--trainers`` trainers (trainer 0 in
+client mode) of bench/chaos_trainer.py on loopback, training a tiny MLP with target batch
+``--target``. On a schedule drawn from ``--seed``:
+- every ~``--fault-every`` s, a random running trainer is killed with kill -9 (restarted with the same
+  identity 3-10 s later), stopped with SIGSTOP for 20-40 s (the training process alone, or the whole
+  peer: its runtime and daemon too), or restarted cleanly (SIGTERM, then the same identity again);
+  sometimes a never-seen peer joins with a fresh identity. At least two trainers keep running;
+- every ~``--backbone-every`` s, the backbone is killed with kill -9 and restarted from its
+  checkpoint directory on the same address.
+
+Prints one JSON line: ``steps``, ``lost_steps`` (steps after which live peers' parameters
+differed, plus trainers that raised instead of recovering), ``skipped_steps`` (lost by every
+member and skipped by all), ``longest_stall_s``, ``max_param_diff``, ``replay_max_diff`` (a
+single-process replay of the logged samples, with the same optimizer, against every step's
+parameters), ``rss_growth`` (largest relative growth after warm-up, long-lived processes),
+``orphans`` (processes and socket files left) and ``failures_injected`` by kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import chaos_trainer as model_code  # noqa: E402  (the trainers' model, data and optimizer, for the replay)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sessions_alive(sids: set[int]) -> list[str]:
+    """Processes (not zombies) in the sessions ``sids``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) in sids:
+                with open(f"/proc/{entry}/stat") as f:
+                    if f.read().split(") ")[1][0] != "Z":
+                        with open(f"/proc/{entry}/cmdline") as c:
+                            out.append(f"{entry} {c.read().replace(chr(0), ' ')[:80]}")
+        except (OSError, IndexError):
+            pass
+    return out
+
+
+def rss_kb(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().split(") ")[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def session_pids(sid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    out.append(int(entry))
+            except OSError:
+                pass
+    return out
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    started: float
+    runtime_pid: int | None = None
+    stopped_until: float | None = None
+    stopped_whole: bool = False
+    terminating_since: float | None = None
+
+
+@dataclass
+class Trainer:
+    index: int
+    client: bool
+    identity: str
+    events: str
+    incarnation: int = 0
+    proc: Proc | None = None
+    restart_at: float | None = None
+    sessions: set[int] = field(default_factory=set)
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace, workdir: str):
+        self.args, self.dir = args, workdir
+        self.rng = random.Random(args.seed)
+        self.run_id = "chaos" + uuid.uuid4().hex[:8]
+        self.port = free_port()
+        self.injected: dict[str, int] = {}
+        self.crashed: list[str] = []
+        self.sessions: set[int] = set()
+        self.rss: dict[int, list[tuple[float, int]]] = {}
+        self.rss_names: dict[int, str] = {}
+        self.trainers: list[Trainer] = []
+        self.backbone: Proc | None = None
+        self.aggregator: Proc | None = None
+        self.backbone_restart_at: float | None = None
+        self.sockets_before = set(glob.glob("/tmp/hivemind-*"))
+        self.t0 = time.time()
+
+    # ---- processes ------------------------------------------------------------------------------------
+    def _spawn(self, name: str, argv: list[str], pipe: bool = False) -> Proc:
+        log = open(os.path.join(self.dir, f"{name}.log"), "a")
+        popen = subprocess.Popen(argv, stdout=subprocess.PIPE if pipe else log, stderr=log,
+                                 stdin=subprocess.DEVNULL, text=True,
+                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log.close()
+        self.sessions.add(popen.pid)
+        return Proc(name, popen, time.time())
+
+    def _role(self, role: str, extra: list[str]) -> tuple[Proc, list[str]]:
+        proc = self._spawn(role, [sys.executable, "-m", "dedloc.cli", role, "--run-id", self.run_id,
+                                  "--identity-path", os.path.join(self.dir, f"{role}.key"), *extra], pipe=True)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            line = proc.popen.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the {role} exited at start (see {self.dir}/{role}.log)")
+            if "--initial-peers" in line:
+                kids = children(proc.popen.pid)
+                proc.runtime_pid = kids[0] if kids else None
+                if proc.runtime_pid:
+                    self.sessions.add(proc.runtime_pid)
+                return proc, line.split("--initial-peers", 1)[1].split()
+        raise RuntimeError(f"the {role} did not start within 90 s")
+
+    def start_backbone(self, initial: list[str]) -> None:
+        extra = ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{self.port}", "--checkpoint-dir",
+                 os.path.join(self.dir, "ckpt"), "--checkpoint-interval", "20"]
+        if initial:
+            extra += ["--initial-peers", *initial]
+        self.backbone, self.backbone_maddrs = self._role("backbone", extra)
+
+    def start_trainer(self, t: Trainer) -> None:
+        spec = {"index": t.index, "incarnation": t.incarnation, "run_id": self.run_id, "client": t.client,
+                "initial_peers": self.backbone_maddrs + self.aggregator_maddrs, "identity": t.identity,
+                "events": t.events, "target": self.args.target, "micro": self.args.micro,
+                "mb_seconds": self.args.mb_seconds * (1 + 0.5 * (t.index % 3)),
+                "delay_updates": self.args.delay_updates, "log_level": self.args.log_level}
+        t.proc = self._spawn(f"trainer{t.index}", [sys.executable, os.path.join(HERE, "chaos_trainer.py"),
+                                                   json.dumps(spec)])
+        t.restart_at = None
+
+    def new_trainer(self, client: bool = False) -> Trainer:
+        i = len(self.trainers)
+        t = Trainer(i, client, os.path.join(self.dir, f"trainer{i}.key"), os.path.join(self.dir, f"trainer{i}.jsonl"))
+        self.trainers.append(t)
+        self.start_trainer(t)
+        return t
+
+    def running(self) -> list[Trainer]:
+        return [t for t in self.trainers if t.proc is not None and t.proc.popen.poll() is None
+                and t.proc.stopped_until is None and t.proc.terminating_since is None]
+
+    def count(self, kind: str) -> None:
+        self.injected[kind] = self.injected.get(kind, 0) + 1
+
+    def runtime_pid(self, t: Trainer) -> int | None:
+        if t.proc.runtime_pid is None:
+            try:
+                with open(t.events) as f:
+                    for line in f:
+                        ev = json.loads(line)
+                        if ev["e"] == "start" and ev["inc"] == t.incarnation:
+                            t.proc.runtime_pid = ev["runtime_pid"]
+            except (OSError, ValueError):
+                pass
+        return t.proc.runtime_pid
+
+    def _signal_peer(self, t: Trainer, sig: int, whole: bool) -> None:
+        pids = [t.proc.popen.pid]
+        if whole and (rt := self.runtime_pid(t)) is not None:
+            pids += session_pids(rt)  # the runtime and its p2p daemon
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    # ---- the schedule -----------------------------------------------------------------------------------
+    def fault(self, now: float) -> None:
+        running = self.running()
+        kinds = ["kill9", "stop_trainer", "stop_peer", "restart", "join_new"]
+        kind = self.rng.choices(kinds, weights=[25, 20, 20, 25, 10])[0]
+        if kind == "join_new":
+            if len(self.trainers) < self.args.trainers + self.args.max_new:
+                self.new_trainer()
+                self.count(kind)
+                return
+            kind = "restart"
+        if len(running) <= 2:
+            return  # keep at least two trainers running
+        t = self.rng.choice(running)
+        self.count(kind)
+        if kind == "kill9":
+            t.proc.popen.kill()
+            t.restart_at = now + self.rng.uniform(3, 10)
+        elif kind in ("stop_trainer", "stop_peer"):
+            whole = kind == "stop_peer"
+            self._signal_peer(t, signal.SIGSTOP, whole)
+            t.proc.stopped_until, t.proc.stopped_whole = now + self.rng.uniform(20, 40), whole
+        else:
+            t.proc.popen.terminate()
+            t.proc.terminating_since = now
+
+    def tick(self, now: float) -> None:
+        for t in self.trainers:
+            p = t.proc
+            if p is None:
+                continue
+            if p.stopped_until is not None and now >= p.stopped_until:
+                self._signal_peer(t, signal.SIGCONT, p.stopped_whole)
+                p.stopped_until = None
+            rc = p.popen.poll()
+            if p.terminating_since is not None:
+                if rc is None and now - p.terminating_since > 30:
+                    p.popen.kill()  # a clean stop that did not finish: counted, then treated as a kill
+                    self.count("restart_forced")
+                elif rc is not None:
+                    p.terminating_since = None
+                    t.restart_at = now + self.rng.uniform(1, 3)
+            elif rc is not None and t.restart_at is None:
+                if rc != -signal.SIGKILL:
+                    self.crashed.append(f"trainer{t.index}.{t.incarnation} exited with {rc}")
+                t.restart_at = now + 5
+            if t.restart_at is not None and now >= t.restart_at and rc is not None:
+                t.incarnation += 1
+                self.start_trainer(t)
+        if self.backbone_restart_at is not None and now >= self.backbone_restart_at:
+            self.backbone.popen.wait()
+            try:
+                self.start_backbone(self.aggregator_maddrs)
+                self.backbone_restart_at = None
+            except RuntimeError as e:  # e.g. its old daemon still holds the port: try again shortly
+                self.crashed.append(f"backbone restart failed: {e}")
+                self.backbone_restart_at = now + 5
+
+    def sample_rss(self) -> None:
+        procs = [self.aggregator, self.backbone] + [t.proc for t in self.trainers if t.proc is not None]
+        for p in procs:
+            if p is None or p.popen.poll() is not None or p.stopped_until is not None:
+                continue
+            pids = [p.popen.pid]
+            rt = p.runtime_pid
+            if p.name.startswith("trainer"):
+                t = self.trainers[int(p.name[7:])]
+                rt = self.runtime_pid(t)
+            if rt is not None:
+                pids += session_pids(rt)
+            for pid in pids:
+                kb = rss_kb(pid)
+                if kb:
+                    self.rss.setdefault(pid, []).append((time.time(), kb))
+                    self.rss_names[pid] = p.name
+
+    def run(self) -> dict:
+        args = self.args
+        self.start_backbone([])
+        self.aggregator, self.aggregator_maddrs = self._role("aggregator", ["--initial-peers", *self.backbone_maddrs,
+                                                                            "--probe-interval", "0"])
+        for i in range(args.trainers):
+            self.new_trainer(client=(i == 0))
+        start = time.time()
+        end = start + 60 * args.minutes
+        warm = start + min(60.0, 0.2 * 60 * args.minutes)
+        next_fault = warm + self.rng.uniform(0.6, 1.4) * args.fault_every
+        next_backbone = start + self.rng.uniform(0.8, 1.2) * args.backbone_every
+        next_rss = start
+        try:
+            while time.time() < end:
+                now = time.time()
+                if now >= next_fault:
+                    self.fault(now)
+                    next_fault = now + self.rng.uniform(0.6, 1.4) * args.fault_every
+                if now >= next_backbone and self.backbone_restart_at is None:
+                    self.backbone.popen.kill()
+                    self.count("backbone_kill9")
+                    self.backbone_restart_at = now + self.rng.uniform(2, 5)
+                    next_backbone = now + self.rng.uniform(0.8, 1.2) * args.backbone_every
+                if now >= next_rss:
+                    self.sample_rss()
+                    next_rss = now + 10
+                self.tick(now)
+                time.sleep(0.2)
+        finally:
+            self.shutdown()
+        return self.analyse(start, end, warm)
+
+    def shutdown(self) -> None:
+        procs = [t.proc for t in self.trainers if t.proc is not None] + [self.aggregator, self.backbone]
+        for t in self.trainers:
+            if t.proc is not None and t.proc.stopped_until is not None:
+                self._signal_peer(t, signal.SIGCONT, True)
+        for p in procs:
+            if p is not None and p.popen.poll() is None:
+                p.popen.terminate()
+        deadline = time.monotonic() + 40
+        for p in procs:
+            if p is None:
+                continue
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+                self.count("shutdown_forced")
+        # runtimes run in sessions of their own: the trainers' events name them
+        for t in self.trainers:
+            try:
+                with open(t.events) as f:
+                    for line in f:
+                        ev = json.loads(line)
+                        if ev["e"] == "start":
+                            self.sessions.add(ev["runtime_pid"])
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 15  # killed runtimes take a moment to finish exiting
+        while sessions_alive(self.sessions) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    # ---- the checks -------------------------------------------------------------------------------------
+    def analyse(self, start: float, end: float, warm: float) -> dict:
+        events = []
+        for t in self.trainers:
+            with open(t.events) as f:
+                for line in f:
+                    try:
+                        ev = json.loads(line)
+                    except ValueError:
+                        continue  # a line cut by kill -9
+                    ev["trainer"] = t.index
+                    events.append(ev)
+        events.sort(key=lambda e: e["t"])
+        peer_of = {(e["trainer"], e["inc"]): e["peer_id"] for e in events if e["e"] == "start"}
+        params: dict[int, list[tuple[str, list[float]]]] = {}
+        first_at: dict[int, float] = {}
+        for e in events:
+            if e["e"] == "applied":
+                params.setdefault(e["applied"], []).append((f"{e['trainer']}.{e['inc']}", e["params"]))
+                first_at.setdefault(e["applied"], e["t"])
+        steps = max(params, default=0)
+        disagreed, max_diff = [], 0.0
+        canonical: dict[int, torch.Tensor] = {}
+        for k, vs in sorted(params.items()):
+            tensors = [torch.tensor(v) for _, v in vs]
+            counts: dict[bytes, int] = {}
+            for x in tensors:
+                counts[x.numpy().tobytes()] = counts.get(x.numpy().tobytes(), 0) + 1
+            majority = max(counts, key=counts.get)
+            canonical[k] = next(x for x in tensors if x.numpy().tobytes() == majority)
+            diff = max(float((x - y).abs().max()) for x in tensors for y in tensors)
+            max_diff = max(max_diff, diff)
+            if diff > 0:
+                disagreed.append(k)
+        times = [first_at[k] for k in sorted(first_at) if k > 0]
+        gaps = [b - a for a, b in zip(times, times[1:])] + ([end - times[-1]] if times else [end - start])
+        crashes = [f"trainer{e['trainer']}.{e['inc']}: {e['error']}" for e in events if e["e"] == "crash"
+                   and "KeyboardInterrupt" not in e["error"]]
+        replay = self.replay(events, peer_of, canonical, steps)
+        rounds = [e for e in events if e["e"] == "round" and not e["skipped"]]
+        growth, grew = 0.0, None
+        for pid, samples in self.rss.items():
+            after = [kb for t, kb in samples if t >= warm]
+            if len(after) >= 2 and samples[-1][0] - samples[0][0] >= 0.5 * (end - start):
+                g = max(after) / after[0] - 1
+                if g >= growth:
+                    growth, grew = g, f"{self.rss_names[pid]} pid {pid}: {after[0] / 1024:.0f} -> {max(after) / 1024:.0f} MiB"
+        sockets = sorted(set(glob.glob("/tmp/hivemind-*")) - self.sockets_before)
+        return {"minutes": self.args.minutes, "delay_updates": self.args.delay_updates, "seed": self.args.seed,
+                "trainers": len(self.trainers), "target": self.args.target, "steps": steps,
+                "lost_steps": len(disagreed) + len(crashes) + len(self.crashed), "disagreed_steps": disagreed[:50],
+                "crashes": (crashes + self.crashed)[:20],
+                "skipped_steps": sorted({e["step"] for e in events if e["e"] == "round" and e["skipped"]}),
+                "longest_stall_s": round(max(gaps, default=0.0), 1), "max_param_diff": max_diff, **replay,
+                "batch_min": min((e["batch"] for e in rounds), default=0),
+                "batch_max": max((e["batch"] for e in rounds), default=0),
+                "rss_growth": round(growth, 3), "rss_growth_of": grew, "orphans": {"processes": sessions_alive(self.sessions),
+                                                             "sockets": sockets},
+                "failures_injected": dict(sorted(self.injected.items())), "workdir": self.dir}
+
+    def replay(self, events: list[dict], peer_of: dict, canonical: dict[int, torch.Tensor], steps: int) -> dict:
+        """Replay every step in one process from the logged contributions; compare with the peers'."""
+        x, y = model_code.data()
+        model = model_code.make_model()
+        opt, sched = model_code.make_opt(model)
+        scratch = model_code.make_model()
+        params = list(model.parameters())
+        versions = {0: torch.nn.utils.parameters_to_vector(params).detach().clone()}
+        rounds: dict[int, dict] = {}
+        for e in events:
+            if e["e"] == "round" and e["step"] not in rounds:
+                rounds[e["step"]] = e
+        contribs: dict[tuple[str, int], list[dict]] = {}
+        for e in events:
+            if e["e"] == "contrib":
+                contribs.setdefault((peer_of.get((e["trainer"], e["inc"]), "?"), e["step"]), []).append(e)
+        worst, replayed, mismatched = 0.0, 0, []
+        for s in range(steps):
+            r = rounds.get(s)
+            if r is None:
+                return {"replay_steps": replayed, "replay_max_diff": worst, "replay_gap_at": s,
+                        "batch_mismatch_steps": mismatched}
+            if not r["skipped"]:
+                grad = [torch.zeros_like(p) for p in params]
+                total = 0
+                for peer in r["contributors"]:
+                    before = [c for c in contribs.get((peer, s), []) if c["t"] <= r["t"]]
+                    if not before:
+                        continue
+                    for ids, applied in before[-1]["mbs"]:
+                        torch.nn.utils.vector_to_parameters(versions[applied], scratch.parameters())
+                        scratch.zero_grad()
+                        idx = torch.tensor(ids)
+                        torch.nn.functional.mse_loss(scratch(x[idx]), y[idx]).backward()
+                        for g, p in zip(grad, scratch.parameters()):
+                            g.add_(p.grad, alpha=len(ids))
+                        total += len(ids)
+                if total != round(r["batch"]):
+                    mismatched.append(s)
+                for p, g in zip(params, grad):
+                    p.grad = g / max(total, 1)
+                opt.step()
+                sched.step()
+            versions[s + 1] = torch.nn.utils.parameters_to_vector(params).detach().clone()
+            if s + 1 in canonical:
+                worst = max(worst, float((versions[s + 1] - canonical[s + 1]).abs().max()))
+            replayed += 1
+        return {"replay_steps": replayed, "replay_max_diff": worst, "replay_gap_at": None,
+                "batch_mismatch_steps": mismatched}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trainers", type=int, default=5, help="trainers at the start (the first in client mode)")
+    parser.add_argument("--max-new", type=int, default=3, help="how many never-seen peers may join")
+    parser.add_argument("--delay-updates", action="store_true")
+    parser.add_argument("--target", type=int, default=64)
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--mb-seconds", type=float, default=0.15, help="the fastest trainer's time per micro-batch")
+    parser.add_argument("--fault-every", type=float, default=15.0)
+    parser.add_argument("--backbone-every", type=float, default=300.0)
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--workdir", default=None, help="logs and checkpoints (default: a new temporary folder)")
+    args = parser.parse_args()
+    workdir = args.workdir or tempfile.mkdtemp(prefix="dedloc-chaos-")
+    os.makedirs(workdir, exist_ok=True)
+    soak = Soak(args, workdir)
+
+    def stop(*_):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    print(json.dumps(soak.run()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
