@@ -49,21 +49,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def sessions_alive(sids: set[int]) -> list[str]:
-    """Processes (not zombies) in the sessions ``sids``."""
+def processes() -> list[tuple[int, int, int]]:
+    """(pid, parent pid, session id) of every process that has not exited (zombies left out)."""
     out = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.getsid(int(entry)) in sids:
+        if entry.isdigit():
+            try:
                 with open(f"/proc/{entry}/stat") as f:
-                    if f.read().split(") ")[1][0] != "Z":
-                        with open(f"/proc/{entry}/cmdline") as c:
-                            out.append(f"{entry} {c.read().replace(chr(0), ' ')[:80]}")
-        except (OSError, IndexError):
-            pass
+                    fields = f.read().rsplit(") ", 1)[1].split()
+                if fields[0] != "Z":
+                    out.append((int(entry), int(fields[1]), int(fields[3])))
+            except (OSError, IndexError, ValueError):
+                pass
     return out
+
+
+def sessions_alive(sids: set[int]) -> list[str]:
+    """Processes in the sessions ``sids``, with their command lines."""
+    out = []
+    for pid, _, sid in processes():
+        if sid in sids:
+            try:
+                with open(f"/proc/{pid}/cmdline") as c:
+                    out.append(f"{pid} {c.read().replace(chr(0), ' ')[:80]}")
+            except OSError:
+                pass
+    return out
+
+
+def children(pid: int) -> list[int]:
+    return [p for p, parent, _ in processes() if parent == pid]
+
+
+def session_pids(sid: int) -> list[int]:
+    return [p for p, _, s in processes() if s == sid]
 
 
 def rss_kb(pid: int) -> int | None:
@@ -75,31 +94,6 @@ def rss_kb(pid: int) -> int | None:
     except OSError:
         return None
     return None
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().split(") ")[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
-
-
-def session_pids(sid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getsid(int(entry)) == sid:
-                    out.append(int(entry))
-            except OSError:
-                pass
-    return out
 
 
 @dataclass

@@ -87,7 +87,7 @@ def test_a_restarted_peer_is_not_handed_its_predecessors_group(tmp_path):
 def test_a_peer_suspended_during_matchmaking_does_not_take_the_step_alone():
     """Frozen (SIGSTOP of the whole peer) past the step's records' lifetime, a peer wakes up to a step
     whose ready/closed records expired: it must not lead a group of one and rewrite the step."""
-    avg = AveragingConfig(matchmaking_time=1, averaging_timeout=4, probe_interval=0)  # records live 7 s
+    avg = AveragingConfig(matchmaking_time=1, averaging_timeout=3, probe_interval=0)  # records live 9 s
     peer = Peer(PeerConfig(run_id=run_id()), avg)
     try:
         future, _ = peer.average_async(torch.ones(16), step=0, weight=1.0, expected_peers=2, gather_time=3.0)
@@ -95,7 +95,7 @@ def test_a_peer_suspended_during_matchmaking_does_not_take_the_step_alone():
             assert not future.done(), future.result()
         session_signal(peer, signal.SIGSTOP)
         try:
-            threading.Event().wait(9)  # a suspended laptop: nothing to synchronise with
+            threading.Event().wait(12)  # a suspended laptop: nothing to synchronise with
         finally:
             session_signal(peer, signal.SIGCONT)
         with pytest.raises(MatchmakingError, match="suspended"):

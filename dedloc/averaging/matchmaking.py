@@ -166,14 +166,14 @@ class Matchmaker:
             group = await self._run_lead(step, me, expected_peers, loop.time() + t, numel)
         else:
             group = await self._run_follow(step, me, candidates, loop.time() + 2 * t, gather, numel)
-        self._check_not_stale(step, loop.time() - (gather_deadline - gather))
+        self._check_not_stale(step, loop.time() - (gather_deadline - gather), gather)
         return group
 
-    def _check_not_stale(self, step: int, elapsed: float) -> None:
-        """Refuse a group formed over longer than the step's ready/closed records live: this process
-        was suspended (a stopped laptop) and woke up to a step whose records had expired, so it could
-        only see itself, and would otherwise take the step alone, rewriting it."""
-        lifetime = 3 * self.config.matchmaking_time + self.config.averaging_timeout
+    def _check_not_stale(self, step: int, elapsed: float, gather: float) -> None:
+        """Refuse a group formed over longer than the step's ready records live (what this peer
+        stored at the start): this process was suspended (a stopped laptop) and woke up to a step
+        whose records had expired, so it could only see itself, and would take the step alone."""
+        lifetime = 3 * self.config.matchmaking_time + gather + self.config.averaging_timeout
         if elapsed > lifetime:
             raise MatchmakingError(f"step {step}: matchmaking took {elapsed:.0f} s, longer than the step's records "
                                    f"live ({lifetime:.0f} s): this peer was suspended; the group is stale")
