@@ -11,6 +11,7 @@ import socket
 import torch
 
 from dedloc.averaging.allreduce import PartitionedRound
+from dedloc.averaging.round_member import MemberRole
 from dedloc.averaging.group import Group, Member
 from dedloc.averaging.wire import Kind, read_header, write_frame
 from dedloc.net.rpc import wait_peer_closed
@@ -18,11 +19,15 @@ from dedloc.net.rpc import wait_peer_closed
 RID = bytes(range(16))
 
 
+class RefusingMember(MemberRole):
+    async def confirm(self, writer, j):
+        await write_frame(writer, Kind.ERROR, self.c.group.round_id, j)
+
+
 class RefusingBackup(PartitionedRound):
     """A backup that reads its aggregator's result, then answers ERROR instead of ACK."""
 
-    async def _confirm(self, writer, j):
-        await write_frame(writer, Kind.ERROR, self.group.round_id, j)
+    member_role = RefusingMember
 
 
 async def run_rounds(group: Group, xs: list[torch.Tensor], kinds: list[type], timeout: float = 20.0):

@@ -41,6 +41,9 @@ class _Round(Protocol):
                      writer: asyncio.StreamWriter) -> bool:
         """Serve one stream; True if this side wrote last (the peer must close first)."""
 
+    def close(self) -> None:
+        """Cancel the round's timers and tasks (it serves nothing more)."""
+
 
 class _Broadcast:
     """A subgroup representative's final result, fetched by the subgroup's members."""
@@ -61,6 +64,10 @@ class _Broadcast:
         await write_frame(writer, Kind.RESULT, header.round_id, 0, weight, result, self.chunk_bytes, reader)
         return True
 
+    def close(self) -> None:
+        if not self.result.done():
+            self.result.cancel()
+
 
 class Averager:
     """One peer's averaging: call ``average`` once per step with that step's tensor."""
@@ -80,6 +87,7 @@ class Averager:
         self.me = node.peer_id.to_base58()
         self.proto = f"dedloc.{node.config.run_id}.allreduce"
         self._rounds: dict[bytes, _Round] = {}
+        self._expiries: dict[bytes, asyncio.TimerHandle] = {}
         self._arrivals: dict[bytes, asyncio.Event] = {}
         self._serving = 0
         self._idle = asyncio.Event()
@@ -94,9 +102,27 @@ class Averager:
 
     # ---- round registry -------------------------------------------------------------------------
     def _register(self, round_id: bytes, rnd: _Round, lifetime: float) -> None:
+        """Serve ``rnd``'s streams for ``lifetime`` seconds (its deadlines and a grace for late
+        streams), then close it: the averager owns every round, and no timer or task outlives it."""
         self._rounds[round_id] = rnd
         self._arrivals.pop(round_id, asyncio.Event()).set()
-        asyncio.get_running_loop().call_later(lifetime, self._rounds.pop, round_id, None)
+        self._expiries[round_id] = asyncio.get_running_loop().call_later(lifetime, self._expire, round_id)
+
+    def _expire(self, round_id: bytes) -> None:
+        self._expiries.pop(round_id, None)
+        rnd = self._rounds.pop(round_id, None)
+        if rnd is not None:
+            rnd.close()
+
+    def close(self) -> None:
+        """Close every round still registered (at shutdown, after drain)."""
+        for round_id in list(self._rounds):
+            handle = self._expiries.pop(round_id, None)
+            if handle is not None:
+                handle.cancel()
+            self._expire(round_id)
+        for task in self._reporters:
+            task.cancel()
 
     async def _lookup(self, round_id: bytes, wait: float) -> _Round | None:
         if round_id not in self._rounds:

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from dedloc.averaging.allreduce import OpenStream, RoundStats
+from dedloc.averaging.round_core import OpenStream, RoundStats
 from dedloc.averaging.group import Group
 from dedloc.averaging.wire import Header, Kind, read_header, read_payload_into, write_frame
 from dedloc.net.rpc import wait_peer_closed
@@ -100,6 +100,7 @@ class RingRound:
     async def _run(self) -> torch.Tensor:
         rid, n = self.group.round_id, len(self.order)
         own: list[asyncio.StreamWriter] = []
+        send: asyncio.Task | None = None
         try:
             if not self.group.members[self.succ].client:
                 r, w = await self.open_stream(self._peer(self.succ))
@@ -148,8 +149,17 @@ class RingRound:
                 raise AveragingError(f"step {self.group.step}: total weight is {total}")
             return self.buf[:-1] / total
         finally:
+            if send is not None:  # a read failed while this step's send was under way: end it, retrieved
+                if not send.done():
+                    send.cancel()
+                await asyncio.gather(send, return_exceptions=True)
             for w in own:
                 w.close()
+
+    def close(self) -> None:
+        """Release whatever still waits on this round (its streams' handlers)."""
+        self._received.set()
+        self._done.set()
 
     async def _open_in(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         reader, writer = await self.open_stream(self._peer(self.pred))

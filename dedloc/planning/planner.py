@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 
-from dedloc.averaging.allreduce import RoundStats
+from dedloc.averaging.round_core import RoundStats
 from dedloc.averaging.group import Member
 from dedloc.config import AveragingConfig
 from dedloc.errors import ConfigError

@@ -1,0 +1,204 @@
+"""A partitioned round's aggregator role: reduce this member's own part and stream it to everyone.
+
+Contributions are read into a StreamedPart segment by segment as they arrive; each finished
+segment streams at once to every member that pulls the result. The backup's copy goes unheld and
+is answered by its ACK; every other copy holds its last credit unit until that ACK, so nobody else
+can complete the part before the backup holds it. If the part is abandoned (a contributor failed
+after the part's contributors were fixed), result streams are cut mid-payload and every member,
+this one included, fails the part over. The role owns the part's two deadline timers; ``close()``
+cancels them and abandons the part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+import torch
+
+from dedloc.averaging.round_core import RoundCore
+from dedloc.averaging.round_member import MemberRole
+from dedloc.averaging.streamed_part import PartAbandoned, StreamedPart
+from dedloc.averaging.wire import Header, Kind, ProtocolError, check_payload, read_header, read_payload_into, \
+    write_error, write_frame
+
+logger = logging.getLogger(__name__)
+
+
+class _Unconfirmed(Exception):
+    """The backup did not confirm this aggregator's result: nobody else may complete it."""
+
+
+class AggregatorRole:
+    """This member's own part (only for members with a share)."""
+
+    def __init__(self, core: RoundCore, member: MemberRole):
+        self.c, self.member = core, member
+        loop = asyncio.get_running_loop()
+        s, e = core.bounds[core.me]
+        out = core.output[s:e]
+        # not pooled: result streams may read it after run() has returned
+        wire = out if core.wire_dtype == torch.float32 else torch.empty(e - s, dtype=core.wire_dtype)
+        self.part = StreamedPart(core.senders, out, wire)
+        self._timers = [loop.call_at(core.start_deadline, self.part.expire_unstarted),
+                        loop.call_at(core.reduce_deadline, self.part.expire)]
+        self.reduced_at = 0.0
+        self.undelivered = {k for k, m in enumerate(core.group.members) if m.fetch and k != core.me}
+        """Members that have not yet received this part (a leaving peer waits for them)."""
+        self.served = asyncio.Event()
+        """Set once this part reached every member, or at the result deadline (after it, members fetch
+        from the backup), or once the part is abandoned."""
+        if not self.undelivered:
+            self.served.set()
+        else:
+            self._timers.append(loop.call_at(core.result_deadline, self.served.set))
+        self._backup_connected = False
+        self._backup_ok: asyncio.Future = loop.create_future()
+
+    async def aggregate(self) -> None:
+        """Add our own contribution, wait for the part to be produced (or abandoned: then fetch it
+        from the backup like every other member)."""
+        c, part = self.c, self.part
+        s, e = c.bounds[c.me]
+        try:
+            if c.weight > 0:
+                part.add_local(c.me, c.weight, c.local[s:e])
+            await part.done.wait()
+            self.reduced_at = time.monotonic()
+            for k, why in part.rejected.items():
+                c.stats.excluded[c.name(k)] = why
+        finally:
+            if not self._backup_connected and not self._backup_ok.done():
+                self._backup_ok.set_result(True)  # backup never showed up: it cannot hold a stale copy
+        if part.failed is None:
+            c.stats.part_weights[c.me] = part.total_weight
+            c.have[c.me].set_result(True)
+            return
+        c.have[c.me].set_result(False)
+        self.served.set()  # members fetch this part from the backup now
+        await self.member.fail_over(c.me, part.failed)
+
+    @property
+    def abandoned(self) -> bool:
+        return self.part.failed is not None
+
+    async def serve_contribution(self, k: int, header: Header, reader: asyncio.StreamReader,
+                                 writer: asyncio.StreamWriter) -> bool:
+        """Read member ``k``'s contribution into the streamed part as it arrives. Answers ERROR if it
+        is refused (before reading, or after: NaN/inf); a sender that leaves is taken out."""
+        c, part, member = self.c, self.part, self.c.group.members[k]
+        s, e = c.bounds[c.me]
+        buf, began = None, False
+        try:
+            if header.part != c.me:
+                raise ProtocolError(f"sent part {header.part}, expected part {c.me}")
+            if member.weight <= 0:
+                raise ProtocolError("a member with weight 0 has nothing to contribute")
+            if abs(header.weight - member.weight) > 1e-6 * max(1.0, member.weight):
+                raise ProtocolError(f"weight {header.weight} differs from the agreed {member.weight}")
+            buf = c.pool.take(e - s, c.wire_dtype)
+            check_payload(header, buf)
+            if not part.begin(k, member.weight, buf):
+                raise ProtocolError("too late, or a second contribution: this part does not expect one from you")
+            began = True
+            size = buf.element_size()
+            c.stats.add_received(
+                await read_payload_into(reader, writer, header, buf, lambda n: part.progress(k, n // size)),
+                f"c{c.me}<{k}")
+        except ProtocolError as e:
+            logger.warning(f"{c.prefix()}: rejected contribution of peer {member.peer_id} to part {c.me}: {e}")
+            if not began and part.contributors is None and k in part.pending:  # a bad first stream: left out
+                part.reject(k, str(e))
+                c.stats.excluded[member.peer_id] = str(e)
+            await write_error(writer, c.group.round_id, str(e))
+            return True
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            logger.info(f"{c.prefix()}: peer {member.peer_id} left while sending part {c.me}")
+            part.reject(k, f"disconnected: {e}")
+            return False
+        finally:
+            if buf is not None:
+                await part.done.wait()  # the part reads the buffer until then
+                c.pool.give(buf)
+        if k in part.rejected:  # e.g. NaN/inf, found when the part checked it
+            logger.warning(f"{c.prefix()}: rejected contribution of peer {member.peer_id} to part {c.me}: "
+                           f"{part.rejected[k]}")
+            await write_error(writer, c.group.round_id, part.rejected[k])
+            return True
+        return False
+
+    async def serve_result(self, k: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Stream our part to member ``k`` as it is produced (see the module doc)."""
+        is_backup = self.c.group.backup(self.c.me) == k
+        if is_backup:
+            self._backup_connected = True
+        try:
+            return await self._serve_result_to(k, is_backup, reader, writer)
+        finally:
+            self._delivered(k)  # delivered, or never will be from here (the member fails over)
+
+    async def _serve_result_to(self, k: int, is_backup: bool, reader: asyncio.StreamReader,
+                               writer: asyncio.StreamWriter) -> bool:
+        c = self.c
+        try:
+            async with asyncio.timeout_at(c.result_deadline):
+                try:
+                    await self.part.committed()
+                except PartAbandoned as e:
+                    await write_error(writer, c.group.round_id, str(e))
+                    return True
+                if is_backup:  # the backup writes last here (its ACK)
+                    try:
+                        await self._stream(reader, writer, k)
+                        acked = (await read_header(reader)).kind == Kind.ACK
+                    except (ConnectionError, asyncio.IncompleteReadError):
+                        acked = True  # the backup is gone: it cannot serve a stale failover
+                    if not self._backup_ok.done():
+                        self._backup_ok.set_result(acked)
+                    return False
+                if self._backup_ok.done() and not self._backup_ok.result():
+                    await write_error(writer, c.group.round_id, "backup did not confirm the result; fail over")
+                    return True
+                try:  # sent alongside the backup's copy, but completed only once the backup has confirmed it
+                    await self._stream(reader, writer, k, hold=self._confirmed)
+                except _Unconfirmed:
+                    logger.debug(f"{c.prefix()}: withheld the end of part {c.me} from {c.name(k)}: "
+                                 f"the backup did not confirm it")
+                    return False  # the stream closes mid-payload: the member fails over to the backup
+                return True
+        except PartAbandoned as e:
+            logger.debug(f"{c.prefix()}: cut part {c.me}'s result to {c.name(k)}: {e}")
+            return False
+        except Exception as e:
+            if is_backup and not self._backup_ok.done():
+                self._backup_ok.set_result(False)
+            logger.debug(f"{c.prefix()}: could not deliver part {c.me} to {c.name(k)}: {e!r}")
+            return False
+
+    async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, to: int,
+                      hold: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Send our part as it is produced; raises PartAbandoned (the caller cuts the stream)."""
+        c, part = self.c, self.part
+        c.stats.add_sent(await write_frame(writer, Kind.RESULT, c.group.round_id, c.me, part.total_weight,
+                                           part.wire, c.chunk_bytes, reader, hold, supply=part),
+                         f"r{c.me}>{to}")
+
+    async def _confirmed(self) -> None:
+        """Return once the backup holds this member's result; raise _Unconfirmed if it never will."""
+        if not await asyncio.shield(self._backup_ok):
+            raise _Unconfirmed()
+
+    def _delivered(self, k: int) -> None:
+        self.undelivered.discard(k)
+        if not self.undelivered:
+            self.served.set()
+
+    def close(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        self.part.abandon("the round ended")
+
+
+__all__ = ["AggregatorRole"]

@@ -1,0 +1,163 @@
+"""What one partitioned round's roles share: the group, this member's vector and output, the
+part boundaries and deadlines, the per-part outcome futures, the stats, and the few helpers that
+read and write parts. Holds no task: each role (round_member, round_aggregator, round_failover)
+owns its own, and PartitionedRound (allreduce.py) owns the roles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Awaitable, Callable
+
+import torch
+
+from dedloc.averaging.buffers import BufferPool
+from dedloc.averaging.group import Group
+from dedloc.averaging.wire import Header, Kind, ProtocolError, read_error_text, read_header, read_payload_into, write_frame
+from dedloc.errors import AveragingError
+from dedloc.net.bulk import Transfer, busy_seconds
+from dedloc.numerics import all_finite
+
+OpenStream = Callable[[str], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+
+class RoundStats:
+    def __init__(self) -> None:
+        self.failovers = 0
+        self.excluded: dict[str, str] = {}
+        self.part_weights: dict[int, float] = {}
+        self.sent: list[Transfer] = []
+        """Every payload this member sent (credited), for passive upload measurement."""
+        self.received: list[Transfer] = []
+        """Every payload this member received, for passive download measurement."""
+
+        self.payloads: list[tuple[str, Transfer]] = []
+        """Every payload with a label, for the DEBUG timeline: ``c3>3`` a contribution to part 3
+        sent to member 3, ``r3<3`` part 3's result received from member 3, ``f`` a failover
+        contribution, ``s4>`` / ``s4<`` ring step 4 sent / received."""
+
+    def add_sent(self, transfer: Transfer | None, label: str) -> None:
+        if transfer is not None:
+            self.sent.append(transfer)
+            self.payloads.append((label, transfer))
+
+    def add_received(self, transfer: Transfer, label: str) -> None:
+        self.received.append(transfer)
+        self.payloads.append((label, transfer))
+
+    def timeline(self, t0: float) -> str:
+        """One line for the DEBUG log: what moved, and when (seconds since ``t0``)."""
+        def span(ts: list[Transfer]) -> str:
+            if not ts:
+                return "nothing"
+            return (f"{sum(t.nbytes for t in ts) / 1e6:.1f} MB in {len(ts)} payloads, {busy_seconds(ts):.2f} s busy, "
+                    f"{min(t.start for t in ts) - t0:.2f}..{max(t.end for t in ts) - t0:.2f} s")
+        each = " ".join(f"{label} {t.start - t0:.1f}-{t.end - t0:.1f}" for label, t in self.payloads)
+        return f"sent {span(self.sent)}; received {span(self.received)}; payloads {each}"
+
+    @property
+    def queue_s(self) -> float:
+        """The longest queueing delay a payload this member sent saw (write to credit; dedloc.net.bulk)."""
+        return max((t.queue_s for t in self.sent), default=0.0)
+
+
+class RoundCore:
+    """The shared state of one member's side of one partitioned round (see the module doc)."""
+
+    def __init__(self, group: Group, me: int, local: torch.Tensor, weight: float, open_stream: OpenStream,
+                 timeout: float, compression: str = "none", chunk_bytes: int = 4 << 20,
+                 pool: BufferPool | None = None):
+        self.group, self.me, self.local, self.weight = group, me, local, weight
+        self.open_stream, self.chunk_bytes = open_stream, chunk_bytes
+        self.pool = pool or BufferPool(0)
+        self.wire_dtype = torch.float16 if compression == "float16" else torch.float32
+        self.bounds = group.part_bounds(local.numel())
+        self.output = torch.empty_like(local)
+        self.stats = RoundStats()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self.t0 = time.monotonic()
+        self.start_deadline = start + 0.25 * timeout  # every contribution stream opens at the round's start
+        self.reduce_deadline = start + 0.5 * timeout  # contributions stream until near the end: results follow them
+        self.result_deadline = start + 0.6 * timeout
+        self.failover_deadline = start + 0.85 * timeout
+        self.deadline = start + timeout
+        self.aggregators = group.aggregators
+        self.senders = {i for i, m in enumerate(group.members) if m.weight > 0}
+        self.have = {j: loop.create_future() for j in self.aggregators}
+        """Per part: True once this member holds its result from the aggregator, False if it must fail over."""
+
+    def name(self, i: int) -> str:
+        return self.group.members[i].peer_id
+
+    def prefix(self) -> str:
+        return f"step {self.group.step}"
+
+    def to_wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.dtype == self.wire_dtype else t.to(self.wire_dtype)
+
+    def rounded(self, t: torch.Tensor) -> torch.Tensor:
+        """Round as the wire will, so the aggregator keeps exactly what others receive."""
+        return t if self.wire_dtype == torch.float32 else t.to(self.wire_dtype).float()
+
+    def contribution(self, part: int) -> torch.Tensor | None:
+        if self.weight <= 0:
+            return None
+        s, e = self.bounds[part]
+        return self.to_wire(self.local[s:e])
+
+    async def read_part(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, header: Header,
+                        part: int, sender: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Read a part's payload: straight into ``into`` when the wire is float32, else into a pooled
+        buffer the caller gives back. Raises ProtocolError for NaN/inf values."""
+        s, e = self.bounds[part]
+        buf = into if into is not None and self.wire_dtype == torch.float32 else self.pool.take(e - s, self.wire_dtype)
+        try:
+            self.stats.add_received(await read_payload_into(reader, writer, header, buf),
+                                    f"{header.kind.name[0].lower()}{part}<{sender}")
+        except BaseException:
+            if buf is not into:
+                self.pool.give(buf)
+            raise
+        data = buf
+        if buf.dtype != torch.float32:
+            data = self.pool.take(e - s)
+            data.copy_(buf)
+            self.pool.give(buf)
+        if not all_finite(data):
+            if data is not into:
+                self.pool.give(data)
+            raise ProtocolError("contains NaN or inf values")
+        return data
+
+    async def read_result(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, part: int,
+                          who: int) -> None:
+        """Read part ``part``'s result from member ``who`` into the output; its weight into the stats."""
+        header = await read_header(reader)
+        if header.kind == Kind.ERROR:
+            raise AveragingError(f"peer {self.name(who)} answered: {await read_error_text(reader, header)}")
+        if header.kind != Kind.RESULT or header.part != part:
+            raise ProtocolError(f"expected RESULT for part {part}, got {header.kind.name} for part {header.part}")
+        s, e = self.bounds[part]
+        out = self.output[s:e]
+        try:
+            data = await self.read_part(reader, writer, header, part, who, into=out)
+        except asyncio.IncompleteReadError as e:
+            raise ConnectionError(f"peer {self.name(who)} ended its result for part {part} "
+                                  f"{e.expected} bytes short") from None
+        if data is not out:
+            out.copy_(data)
+            self.pool.give(data)
+        self.stats.part_weights[part] = header.weight
+
+    async def send_result(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, part: int,
+                          weight: float, to: int) -> None:
+        """Send a finished part from the output (a failover's re-reduce)."""
+        s, e = self.bounds[part]
+        self.stats.add_sent(await write_frame(writer, Kind.RESULT, self.group.round_id, part, weight,
+                                              self.to_wire(self.output[s:e]), self.chunk_bytes, reader),
+                            f"r{part}>{to}")
+
+
+__all__ = ["RoundCore", "RoundStats", "OpenStream"]

@@ -1,0 +1,117 @@
+"""A partitioned round's failover role: the backup of a failed aggregator's part.
+
+When members fail part ``j`` over to this member (its backup), it serves the result it already
+pulled from the aggregator if it has it; otherwise it re-reduces the part from the contributions
+the members re-send (FAILOVER frames), waiting for every sender but the failed aggregator until
+the failover deadline. Each part's failover runs as a task this role owns; ``close()`` cancels them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from dedloc.averaging.accumulator import PartAccumulator
+from dedloc.averaging.round_core import RoundCore
+from dedloc.averaging.wire import Header, ProtocolError, write_error
+
+logger = logging.getLogger(__name__)
+
+
+class Failover:
+    """One part's failover at this member: the contributions re-sent to it, and its outcome."""
+
+    def __init__(self, acc: PartAccumulator):
+        self.acc = acc
+        self.ready = asyncio.Event()
+        self.error: str | None = None
+
+
+class FailoverRole:
+    def __init__(self, core: RoundCore):
+        self.c = core
+        self._parts: dict[int, Failover] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    def state(self, j: int) -> Failover:
+        """Part ``j``'s failover at this member, started on first use."""
+        if j not in self._parts:
+            c = self.c
+            s, e = c.bounds[j]
+            # the failed aggregator is not waited for, but taken if it abandoned its part and re-sends
+            state = Failover(PartAccumulator(c.senders - {j}, e - s, c.pool.take(e - s, zero=True),
+                                             optional={j} & c.senders))
+            self._parts[j] = state
+            self._tasks.append(asyncio.create_task(self._run(j, state)))
+        return self._parts[j]
+
+    async def _run(self, j: int, state: Failover) -> None:
+        c = self.c
+        try:
+            async with asyncio.timeout_at(c.deadline):
+                if await c.have[j]:
+                    return  # we hold the failed aggregator's result: serve that copy
+                s, e = c.bounds[j]
+                if c.weight > 0:
+                    state.acc.add(c.me, c.weight, c.local[s:e])
+                await state.acc.wait(c.failover_deadline)
+                mean = state.acc.finish()
+                c.output[s:e] = c.rounded(mean)
+                c.pool.give(mean)
+                c.stats.part_weights[j] = state.acc.total_weight
+                logger.info(f"{c.prefix()}: re-reduced part {j} of failed aggregator {c.name(j)} "
+                            f"from {len(state.acc.contributors)} contributions")
+        except Exception as e:
+            state.error = f"{type(e).__name__}: {e}"
+        finally:
+            state.ready.set()
+
+    async def serve(self, k: int, header: Header, reader: asyncio.StreamReader,
+                    writer: asyncio.StreamWriter) -> bool:
+        """Take member ``k``'s re-sent contribution to the part it names, and answer the part's result."""
+        c = self.c
+        j = header.part
+        state = self.state(j)
+        try:
+            await self._receive(k, header, reader, writer, j, state.acc)
+        except ConnectionError:
+            return False
+        await state.ready.wait()
+        if state.error:
+            await write_error(writer, c.group.round_id, state.error)
+        else:
+            await c.send_result(reader, writer, j, c.stats.part_weights.get(j, 0.0), k)
+        return True
+
+    async def _receive(self, k: int, header: Header, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       part: int, acc: PartAccumulator) -> None:
+        c = self.c
+        member = c.group.members[k]
+        try:
+            if header.part != part:
+                raise ProtocolError(f"sent part {header.part}, expected part {part}")
+            s, e = c.bounds[part]
+            if header.numel == 0 and (member.weight == 0 or e == s):
+                if member.weight > 0:
+                    acc.add(k, member.weight, c.local[s:e])  # an empty part: only the weight counts
+                return
+            if abs(header.weight - member.weight) > 1e-6 * max(1.0, member.weight):
+                raise ProtocolError(f"weight {header.weight} differs from the agreed {member.weight}")
+            data = await c.read_part(reader, writer, header, part, k)
+            acc.add(k, member.weight, data)
+            c.pool.give(data)
+        except ProtocolError as e:
+            logger.warning(f"{c.prefix()}: rejected contribution of peer {member.peer_id} to part {part}: {e}")
+            acc.reject(k, str(e))
+            c.stats.excluded[member.peer_id] = str(e)
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            logger.info(f"{c.prefix()}: peer {member.peer_id} left while sending part {part}")
+            acc.reject(k, f"disconnected: {e}")
+            raise ConnectionError("sender left") from None
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+
+__all__ = ["FailoverRole", "Failover"]

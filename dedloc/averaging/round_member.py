@@ -1,0 +1,131 @@
+"""A partitioned round's member role: contribute to every part, pull every result, fail a part over.
+
+For each other aggregator ``j`` a member opens two streams at once: one sends its contribution
+to part ``j`` (if it has weight), the other pulls part ``j``'s result. If the result does not come
+whole before the result deadline, the member fails the part over to its backup (or, if the
+backup cannot be reached and the part was abandoned, to its aggregator). Failure of one part is
+that part's error; the caller (PartitionedRound.run) owns the tasks and gathers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from dedloc.averaging.round_core import RoundCore
+from dedloc.averaging.wire import Kind, ProtocolError, write_frame
+from dedloc.errors import AveragingError
+from dedloc.net.rpc import wait_peer_closed
+
+if TYPE_CHECKING:
+    from dedloc.averaging.round_failover import FailoverRole
+
+logger = logging.getLogger(__name__)
+ACK_GRACE = 10.0
+
+
+class MemberRole:
+    """Every member's side of every part that another member aggregates."""
+
+    def __init__(self, core: RoundCore, failover: "FailoverRole"):
+        self.c, self.failover_role = core, failover
+        fetch = core.group.members[core.me].fetch
+        self.exchanges = [j for j in core.aggregators if j != core.me and (fetch or core.group.backup(j) == core.me)]
+        """Parts this member takes part in as a member: all others' (only those it backs up, if it
+        needs no result)."""
+
+    async def exchange(self, j: int) -> None:
+        """Contribute to part ``j`` (if this member has weight) and pull its result, both at once;
+        fail the part over to its backup if the result does not come whole."""
+        c = self.c
+        contribution = asyncio.create_task(self.contribute(j)) if c.weight > 0 else None
+        reason = ""
+        try:
+            async with asyncio.timeout_at(c.result_deadline):
+                reader, writer = await c.open_stream(c.name(j))
+                try:
+                    await write_frame(writer, Kind.PULL, c.group.round_id, j)
+                    await c.read_result(reader, writer, j, j)
+                    c.have[j].set_result(True)
+                    if c.group.backup(j) == c.me:
+                        await self.confirm(writer, j)
+                        await wait_peer_closed(reader, ACK_GRACE)  # we wrote last: let the ACK arrive
+                    if contribution is not None:  # its last credits may still be on the way
+                        await asyncio.wait({contribution})
+                    return
+                finally:
+                    writer.close()
+        except TimeoutError:
+            reason = "no result before the deadline"
+        except Exception as e:
+            reason = f"{type(e).__name__}: {e}"
+        finally:
+            if contribution is not None and not contribution.done():
+                contribution.cancel()
+                await asyncio.gather(contribution, return_exceptions=True)
+        if c.have[j].done():  # got the result; only the ACK failed
+            return
+        c.have[j].set_result(False)
+        await self.fail_over(j, reason)
+
+    async def contribute(self, j: int) -> None:
+        """Send this member's contribution to part ``j``; a refusal is logged (the result still comes)."""
+        c = self.c
+        try:
+            async with asyncio.timeout_at(c.reduce_deadline):
+                reader, writer = await c.open_stream(c.name(j))
+                try:
+                    c.stats.add_sent(await write_frame(writer, Kind.CONTRIB, c.group.round_id, j, c.weight,
+                                                       c.contribution(j), c.chunk_bytes, reader), f"c{j}>{j}")
+                finally:
+                    writer.close()
+        except ProtocolError as e:
+            logger.warning(f"{c.prefix()}: aggregator {c.name(j)} did not take our contribution to part {j}: {e}")
+        except Exception as e:
+            logger.debug(f"{c.prefix()}: contribution to part {j} did not arrive: {e!r}")
+
+    async def confirm(self, writer: asyncio.StreamWriter, j: int) -> None:
+        """As part ``j``'s backup, tell its aggregator that we hold its result (it completes
+        everyone else's copy only after this)."""
+        await write_frame(writer, Kind.ACK, self.c.group.round_id, j)
+
+    async def fail_over(self, j: int, reason: str) -> None:
+        """Get part ``j`` from its backup (re-reduced there from re-sent contributions, or the copy
+        it holds); raises AveragingError if that fails too."""
+        c = self.c
+        b = c.group.backup(j)
+        who = "we abandoned our part" if j == c.me else f"aggregator {c.name(j)} failed for part {j}"
+        logger.warning(f"{c.prefix()}: {who} ({reason}); "
+                       + (f"failing over to {c.name(b)}" if b is not None else "no backup"))
+        if b is None:
+            raise AveragingError(f"{who} ({reason}) and part {j} has no backup")
+        c.stats.failovers += 1
+        # an aggregator that abandoned its part re-reduces it itself when the backup is gone: the
+        # failed contributor may be that backup (tried only if the backup cannot be reached)
+        for target in (b, j):
+            if target == c.me:
+                state = self.failover_role.state(j)
+                await state.ready.wait()
+                if state.error:
+                    raise AveragingError(f"failover of part {j} failed: {state.error}")
+                return
+            async with asyncio.timeout_at(c.deadline):
+                try:
+                    reader, writer = await c.open_stream(c.name(target))
+                except Exception as e:
+                    if target == j or j == b:
+                        raise
+                    logger.warning(f"{c.prefix()}: backup {c.name(b)} of part {j} is unreachable ({e}); "
+                                   f"asking its aggregator {c.name(j)}")
+                    continue
+                try:
+                    c.stats.add_sent(await write_frame(writer, Kind.FAILOVER, c.group.round_id, j, c.weight,
+                                                       c.contribution(j), c.chunk_bytes, reader), f"f{j}>{target}")
+                    await c.read_result(reader, writer, j, target)
+                    return
+                finally:
+                    writer.close()
+
+
+__all__ = ["MemberRole", "ACK_GRACE"]
