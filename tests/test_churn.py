@@ -252,3 +252,51 @@ def test_a_step_lost_by_every_member_is_skipped_by_all():
     finally:
         for p in peers:
             p.close()
+
+
+def test_a_donor_that_stalls_mid_transfer_does_not_take_the_whole_deadline():
+    """A donor frozen after its header (a stopped laptop) once held a newcomer for all of
+    state_timeout: the bytes had no bound of their own. Now the next donor is tried after STALL_WAIT."""
+    import asyncio
+    import concurrent.futures as cf
+
+    from dedloc.net import rpc
+    from dedloc.net.node import Node
+
+    rid = run_id()
+    good = Peer(PeerConfig(run_id=rid), AVG)
+    newcomer = Peer(PeerConfig(run_id=rid, initial_peers=tuple(good.maddrs)), AVG)
+    up, finished = threading.Event(), threading.Event()
+    staller_id: list[str] = []
+
+    async def staller():
+        node = await Node.create(PeerConfig(run_id=rid, initial_peers=tuple(good.maddrs)))
+
+        async def serve(info, reader, writer):
+            await rpc.read_message(reader)
+            await rpc.write_message(writer, {"step": 3, "size": 1 << 20})
+            writer.write(b"x" * 100)  # a start, then nothing more
+            await writer.drain()
+            await asyncio.to_thread(finished.wait, 120)
+            writer.close()
+
+        await node.p2p.add_binary_stream_handler(f"dedloc.{rid}.state", serve)
+        staller_id.append(node.peer_id.to_base58())
+        up.set()
+        try:
+            await asyncio.to_thread(finished.wait, 120)
+        finally:
+            await node.shutdown()
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(asyncio.run, staller())
+        try:
+            assert up.wait(60), "the stalling donor did not start"
+            good.offer_state(3, b"a state of step 3")
+            step, blob, donor = newcomer.download_state([staller_id[0], good.peer_id], 3, timeout=60)
+            assert (step, blob, donor) == (3, b"a state of step 3", good.peer_id)
+        finally:
+            finished.set()
+            fut.result(timeout=60)
+            newcomer.close()
+            good.close()

@@ -12,8 +12,9 @@ net/rpc.py); the donor answers ``{"step", "size"}`` then ``size`` raw bytes, or 
   downloading a state (two peers that both wait for the other's newer state never deadlock);
 - a download has a deadline, checks the announced size against a cap, and tries the next donor on
   any failure. Each donor's answer must come within ``HEADER_WAIT`` (a donor that never answers
-  costs that much, not the whole deadline); the bytes then get what is left of the deadline. It
-  raises StateError naming every donor tried when none succeeded.
+  costs that much, not the whole deadline); the bytes then get what is left of the deadline, but
+  a donor that sends nothing for ``STALL_WAIT`` is given up. It raises StateError naming every
+  donor tried when none succeeded.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ CHUNK = 4 << 20
 MAX_STATE_BYTES = 64 << 30
 FRESH_WAIT = 15.0
 HEADER_WAIT = FRESH_WAIT + 10.0
+STALL_WAIT = 20.0
+"""A donor whose bytes stop arriving for this long is given up (and the next one tried)."""
 
 
 @dataclass
@@ -157,7 +160,14 @@ class StateServer:
             if not isinstance(step, int) or not isinstance(size, int) or step < min_step or not (
                     0 < size <= MAX_STATE_BYTES):
                 raise ProtocolError(f"bad state header {head!r}")
-            blob = await reader.readexactly(size)
-            return step, blob
+            parts, got = [], 0
+            while got < size:  # a donor that stops sending (frozen mid-transfer) fails after STALL_WAIT
+                n = min(CHUNK, size - got)
+                try:
+                    parts.append(await asyncio.wait_for(reader.readexactly(n), STALL_WAIT))
+                except asyncio.TimeoutError:
+                    raise StateError(f"sent nothing for {STALL_WAIT:.0f} s ({got} of {size} bytes in)") from None
+                got += n
+            return step, b"".join(parts)
         finally:
             writer.close()
