@@ -305,6 +305,7 @@ class Soak:
         next_fault = warm + self.rng.uniform(0.6, 1.4) * args.fault_every
         next_backbone = start + self.rng.uniform(0.8, 1.2) * args.backbone_every
         next_rss = start
+        self.interrupted = False
         try:
             while time.time() < end:
                 now = time.time()
@@ -321,6 +322,8 @@ class Soak:
                     next_rss = now + 10
                 self.tick(now)
                 time.sleep(0.2)
+        except KeyboardInterrupt:  # stopped early (Ctrl+C, SIGTERM): still check and report what ran
+            self.interrupted, end = True, time.time()
         finally:
             self.shutdown()
         return self.analyse(start, end, warm)
@@ -405,7 +408,8 @@ class Soak:
                 if g >= growth:
                     growth, grew = g, f"{self.rss_names[pid]} pid {pid}: {after[0] / 1024:.0f} -> {max(after) / 1024:.0f} MiB"
         sockets = sorted(set(glob.glob("/tmp/hivemind-*")) - self.sockets_before)
-        return {"minutes": self.args.minutes, "delay_updates": self.args.delay_updates, "seed": self.args.seed,
+        return {"minutes": round((end - start) / 60, 2), "interrupted": self.interrupted,
+                "delay_updates": self.args.delay_updates, "seed": self.args.seed,
                 "trainers": len(self.trainers), "target": self.args.target, "steps": steps,
                 "lost_steps": len(disagreed) + len(crashes) + len(self.crashed), "disagreed_steps": disagreed[:50],
                 "crashes": (crashes + self.crashed)[:20],

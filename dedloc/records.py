@@ -81,7 +81,10 @@ class CollaborationView:
 
     @property
     def global_step(self) -> int:
-        return max((r.step for r in self.peers), default=0)
+        """The newest step a peer that holds the training state is at. Aggregator-only peers hold
+        no state: their records (the next round they will serve) follow the step, never lead it (a
+        round that failed for the trainers once left the aggregator "ahead" at a step nobody held)."""
+        return max((r.step for r in self.peers if r.role != Role.AGGREGATOR), default=0)
 
     @property
     def current(self) -> tuple[ProgressRecord, ...]:

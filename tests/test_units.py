@@ -303,3 +303,14 @@ def test_lineage_keeps_the_newest_steps_and_drops_a_rewritten_future():
     again = lineage.extend(ours, "20:new")  # a state of step 20 replaces everything after it
     assert max(again) == 20 and again[20] == "20:new" and again[19] == "19:h19"
     assert lineage.extend(ours, "garbage") == ours and lineage.parse("x:1") is None
+
+
+def test_the_global_step_is_led_by_peers_that_hold_the_state():
+    """An aggregator-only peer's record names the next round it serves; after a round that failed
+    for the trainers it is 'ahead' at a step nobody holds, and must not lead the global step."""
+    now = 0.0
+    view = CollaborationView.build([ProgressRecord("t1", 320, 8, 1.0, Role.TRAINER, time=now),
+                                    ProgressRecord("agg", 321, 0, 0.0, Role.AGGREGATOR, time=now),
+                                    ProgressRecord("bb", 300, 0, 0.0, Role.BACKBONE, time=now)], now=now)
+    assert view.global_step == 320 and [r.peer_id for r in view.current] == ["t1"]
+    assert CollaborationView.build([ProgressRecord("agg", 7, 0, 0.0, Role.AGGREGATOR)]).global_step == 0

@@ -513,8 +513,8 @@ class CollaborativeOptimizer:
         consensus = view.consensus_fingerprint(step)
         ranked: list[tuple[int, float, str]] = []
         for r in view.peers:
-            if r.peer_id == me or r.role == Role.CLIENT or r.step < step:
-                continue
+            if r.peer_id == me or r.role in (Role.CLIENT, Role.AGGREGATOR) or r.step < step:
+                continue  # clients accept no streams; aggregator-only peers hold no state
             tier = 0 if r.role.trains and (consensus is None or r.fingerprint in ("", consensus)) else \
                 1 if r.role.trains else 2
             ranked.append((tier, random.random(), r.peer_id))
