@@ -314,3 +314,18 @@ def test_the_global_step_is_led_by_peers_that_hold_the_state():
                                     ProgressRecord("bb", 300, 0, 0.0, Role.BACKBONE, time=now)], now=now)
     assert view.global_step == 320 and [r.peer_id for r in view.current] == ["t1"]
     assert CollaborationView.build([ProgressRecord("agg", 7, 0, 0.0, Role.AGGREGATOR)]).global_step == 0
+
+
+def test_the_leaders_round_timeout_travels_with_the_group():
+    """Members with other averaging_timeouts once gave up at 20 s on a round that an aggregator with
+    60 s still served for 57 s: the leader's deadline is the round's, for every member."""
+    g = Group(bytes(16), 3, (Member("a", 1.0, 1.0), Member("b", 2.0, 1.0)), timeout=20.0)
+    assert Group.from_wire(g.to_wire()).timeout == 20.0
+    older = g.to_wire()
+    older.pop("timeout")  # a leader from before: each member keeps its own
+    assert Group.from_wire(older).timeout is None
+    for bad in (0, -1.0, 1e9, "soon"):
+        wire = g.to_wire()
+        wire["timeout"] = bad
+        with pytest.raises(ProtocolError, match="malformed group"):
+            Group.from_wire(wire)

@@ -3,8 +3,9 @@
 Runs inside the runtime process. ``average()`` is the one entry point; incoming streams are
 dispatched to the round they name. Guarantees (beyond those of the rounds):
 - the caller's tensor is overwritten only when the whole round succeeded;
-- every call returns or raises within matchmaking (about 2x matchmaking_time) plus the
-  averaging timeout;
+- every call returns or raises within matchmaking (about 2x matchmaking_time) plus the round's
+  timeout, which the leader sets for every member (its averaging_timeout, or the timeout its
+  caller passed), so no member gives up on a round another still serves;
 - a stream naming an unknown round, or with a malformed header, is answered with an ERROR
   frame and a logged reason naming the peer.
 """
@@ -223,7 +224,8 @@ class Averager:
             raise AveragingError(f"step {step}: local tensor has NaN or inf values; refusing to send it")
         timeout = timeout or self.config.averaging_timeout
         t0 = time.perf_counter()
-        group = await self.matchmaker.form_group(step, weight, expected_peers, gather_time, tensor.numel())
+        group = await self.matchmaker.form_group(step, weight, expected_peers, gather_time, tensor.numel(), timeout)
+        timeout = group.timeout or timeout  # the leader's: every member gives up on the round together
         t1 = time.perf_counter()
         me = group.index(self.me)
         stats: dict[str, Any] = {"step": step, "group_size": len(group.members),

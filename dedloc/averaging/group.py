@@ -17,6 +17,9 @@ from typing import Any
 from dedloc.config import COMPRESSIONS, STRATEGIES
 from dedloc.errors import ProtocolError
 
+MAX_TIMEOUT = 3600.0
+"""The longest round deadline a leader may set for its members."""
+
 
 @dataclass(frozen=True)
 class Member:
@@ -45,6 +48,9 @@ class Group:
     strategy: str = "partitioned"
     compression: str = "none"
     """Both chosen by the leader, so members never disagree."""
+    timeout: float | None = None
+    """The round's deadline in seconds, the leader's ``averaging_timeout``: every member runs the
+    round by it, so none gives up on a round that another still serves (None: each member's own)."""
 
     def __post_init__(self) -> None:
         ids = [m.peer_id for m in self.members]
@@ -124,6 +130,7 @@ class Group:
             "subgroups": [list(s) for s in self.subgroups],
             "strategy": self.strategy,
             "compression": self.compression,
+            **({"timeout": self.timeout} if self.timeout is not None else {}),
         }
 
     @classmethod
@@ -134,7 +141,10 @@ class Group:
             strategy, compression = str(obj["strategy"]), str(obj["compression"])
             if strategy not in STRATEGIES or compression not in COMPRESSIONS:
                 raise ValueError(f"unknown strategy {strategy!r} or compression {compression!r}")
-            group = cls(bytes(obj["round_id"]), int(obj["step"]), members, subgroups, strategy, compression)
+            timeout = None if obj.get("timeout") is None else float(obj["timeout"])
+            if timeout is not None and not 0 < timeout <= MAX_TIMEOUT:
+                raise ValueError(f"round timeout {timeout} outside (0, {MAX_TIMEOUT:.0f}] s")
+            group = cls(bytes(obj["round_id"]), int(obj["step"]), members, subgroups, strategy, compression, timeout)
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"malformed group description: {e}") from None
         if any(not (m.weight >= 0 and math.isfinite(m.weight)) or not (m.share >= 0 and math.isfinite(m.share))

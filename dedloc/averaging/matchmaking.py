@@ -133,11 +133,12 @@ class Matchmaker:
 
     # ---- entry point -----------------------------------------------------------------------------
     async def form_group(self, step: int, weight: float, expected_peers: int | None = None,
-                         gather_time: float | None = None, numel: int = 0) -> Group:
+                         gather_time: float | None = None, numel: int = 0, timeout: float | None = None) -> Group:
         """Agree on this step's group; raises MissedRoundError or MatchmakingError.
 
         Waits up to ``gather_time`` (default: matchmaking_time) for ``expected_peers`` to be ready.
-        ``numel`` (the vector's size) lets a leading peer's planner size the plan.
+        ``numel`` (the vector's size) lets a leading peer's planner size the plan; ``timeout`` (default:
+        averaging_timeout) is the round deadline a leading peer sets for every member.
         """
         loop = asyncio.get_running_loop()
         t = self.config.matchmaking_time
@@ -162,10 +163,11 @@ class Matchmaker:
         candidates = sorted(p for p, m in ready.items() if not m.client)
         if not candidates:
             raise MatchmakingError(f"step {step}: no reachable (non-client) peer is ready to aggregate")
+        timeout = timeout or self.config.averaging_timeout
         if candidates[0] == self.me:
-            group = await self._run_lead(step, me, expected_peers, loop.time() + t, numel)
+            group = await self._run_lead(step, me, expected_peers, loop.time() + t, numel, timeout)
         else:
-            group = await self._run_follow(step, me, candidates, loop.time() + 2 * t, gather, numel)
+            group = await self._run_follow(step, me, candidates, loop.time() + 2 * t, gather, numel, timeout)
         self._check_not_stale(step, loop.time() - (gather_deadline - gather), gather)
         return group
 
@@ -180,7 +182,7 @@ class Matchmaker:
 
     # ---- leader ----------------------------------------------------------------------------------
     async def _run_lead(self, step: int, me: Member, expected: int | None, close_deadline: float,
-                        numel: int = 0) -> Group:
+                        numel: int = 0, timeout: float | None = None) -> Group:
         loop = asyncio.get_running_loop()
         state = _Lead({self.me: me})
         self._lead[step] = state
@@ -194,7 +196,7 @@ class Matchmaker:
                 state.done.set()
                 logger.info(f"step {step}: stepping down as leader for {smaller[0]}")
                 return await self._run_follow(step, me, smaller, loop.time() + 2 * self.config.matchmaking_time,
-                                              numel=numel)
+                                              numel=numel, timeout=timeout)
             if set(ready) - unreachable <= set(state.members) and (not expected or len(state.members) >= expected):
                 break
             await asyncio.sleep(POLL)
@@ -202,7 +204,8 @@ class Matchmaker:
         subgroups = split_into_subgroups(members, self.config.max_group_size)
         if self.policy is not None and self.config.strategy == "partitioned":
             members = await self._planned(members, subgroups, numel)
-        group = Group(os.urandom(16), step, members, subgroups, self.config.strategy, self.config.compression)
+        group = Group(os.urandom(16), step, members, subgroups, self.config.strategy, self.config.compression,
+                      timeout or self.config.averaging_timeout)
         state.group = group
         await self.node.store(self.node.key("closed", step), self.me, [m.peer_id for m in members],
                               ttl=3 * self.config.matchmaking_time + self.config.averaging_timeout)
@@ -269,7 +272,7 @@ class Matchmaker:
 
     # ---- follower --------------------------------------------------------------------------------
     async def _run_follow(self, step: int, me: Member, candidates: list[str], deadline: float,
-                          gather: float = 0.0, numel: int = 0) -> Group:
+                          gather: float = 0.0, numel: int = 0, timeout: float | None = None) -> Group:
         loop = asyncio.get_running_loop()
         self._decision(step).set()
         request = {"v": VERSION, "step": step, "w": me.weight, "s": me.share, "c": me.client, "f": me.fetch,
@@ -293,7 +296,7 @@ class Matchmaker:
                         # close while the others, who gave up on the same leader, still wait for an answer
                         t = self.config.matchmaking_time
                         close = min(deadline - t / 2, loop.time() + t)
-                        return await self._run_lead(step, me, None, close, numel)
+                        return await self._run_lead(step, me, None, close, numel, timeout)
                     raise MatchmakingError(f"step {step}: no reachable leader among {candidates}") from None
                 leader = rest[0]
                 continue
