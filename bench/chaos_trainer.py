@@ -90,6 +90,7 @@ def main() -> None:
         order = torch.Generator().manual_seed(1000 * spec["index"] + spec["incarnation"])
         micro, pace = spec["micro"], spec["mb_seconds"]
         seen_rounds = 0
+        applied = opt.applied_step
         while not stop:
             t0 = time.perf_counter()
             ids = torch.randint(0, N, (micro,), generator=order)
