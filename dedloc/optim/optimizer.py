@@ -79,7 +79,8 @@ class RoundRecord:
     averaging_s: float
     skipped: bool
     contributors: tuple[str, ...] = ()
-    """Peer ids whose gradients the averaged one holds (weight > 0, excluded from no part)."""
+    """Peer ids with weight > 0 that no part this member saw excluded. Until the parts agree on one
+    contributor set, a sender that died mid-round can be in some parts and not others."""
 
 
 @dataclass
