@@ -1,5 +1,8 @@
+import asyncio
 import concurrent.futures as cf
+import contextlib
 import os
+import threading
 import time
 import uuid
 
@@ -7,6 +10,37 @@ import pytest
 
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.peer import Peer, start_peers
+
+
+@contextlib.contextmanager
+def bare_node(config, setup):
+    """Run a bare engine Node (a peer that speaks the wire protocol its own way: hostile, silent or
+    stalling) in a thread: ``await setup(node, finished)`` once it is up, where ``finished`` is a
+    threading.Event set when the test is done with it. Yields its peer id; stops it on exit."""
+    from dedloc.net.node import Node
+
+    up, finished, ids = threading.Event(), threading.Event(), []
+
+    async def main():
+        node = await Node.create(config)
+        try:
+            await setup(node, finished)
+            ids.append(node.peer_id.to_base58())
+            up.set()
+            await asyncio.to_thread(finished.wait, 300)
+        finally:
+            await node.shutdown()
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(asyncio.run, main())
+        try:
+            while not up.wait(0.1):
+                if fut.done():
+                    fut.result()  # it failed to start: raise why
+            yield ids[0]
+        finally:
+            finished.set()
+            fut.result(timeout=60)
 
 
 def run_id() -> str:

@@ -13,7 +13,7 @@ from dedloc.errors import MatchmakingError, MissedRoundError
 from dedloc.optim import CollaborativeOptimizer
 from dedloc.peer import Peer
 
-from conftest import run_id
+from conftest import bare_node, run_id
 from test_faults import ed25519_identity
 from test_optimizer import Trainer, join_all, make_model, make_opt
 
@@ -258,20 +258,14 @@ def test_a_donor_that_stalls_mid_transfer_does_not_take_the_whole_deadline():
     """A donor frozen after its header (a stopped laptop) once held a newcomer for all of
     state_timeout: the bytes had no bound of their own. Now the next donor is tried after STALL_WAIT."""
     import asyncio
-    import concurrent.futures as cf
 
     from dedloc.net import rpc
-    from dedloc.net.node import Node
 
     rid = run_id()
     good = Peer(PeerConfig(run_id=rid), AVG)
     newcomer = Peer(PeerConfig(run_id=rid, initial_peers=tuple(good.maddrs)), AVG)
-    up, finished = threading.Event(), threading.Event()
-    staller_id: list[str] = []
 
-    async def staller():
-        node = await Node.create(PeerConfig(run_id=rid, initial_peers=tuple(good.maddrs)))
-
+    async def stall(node, finished):
         async def serve(info, reader, writer):
             await rpc.read_message(reader)
             await rpc.write_message(writer, {"step": 3, "size": 1 << 20})
@@ -281,22 +275,12 @@ def test_a_donor_that_stalls_mid_transfer_does_not_take_the_whole_deadline():
             writer.close()
 
         await node.p2p.add_binary_stream_handler(f"dedloc.{rid}.state", serve)
-        staller_id.append(node.peer_id.to_base58())
-        up.set()
-        try:
-            await asyncio.to_thread(finished.wait, 120)
-        finally:
-            await node.shutdown()
 
-    with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(asyncio.run, staller())
-        try:
-            assert up.wait(60), "the stalling donor did not start"
+    try:
+        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(good.maddrs)), stall) as staller:
             good.offer_state(3, b"a state of step 3")
-            step, blob, donor = newcomer.download_state([staller_id[0], good.peer_id], 3, timeout=60)
+            step, blob, donor = newcomer.download_state([staller, good.peer_id], 3, timeout=60)
             assert (step, blob, donor) == (3, b"a state of step 3", good.peer_id)
-        finally:
-            finished.set()
-            fut.result(timeout=60)
-            newcomer.close()
-            good.close()
+    finally:
+        newcomer.close()
+        good.close()

@@ -20,6 +20,8 @@ from dedloc.errors import AveragingError, MatchmakingError, ProtocolError, Runti
 from dedloc.net import rpc
 from dedloc.net.node import Node
 
+from conftest import bare_node
+
 NUMEL = 8_000_000  # ~32 MB: a round lasts long enough to kill a peer in the middle of it
 
 
@@ -210,31 +212,17 @@ def test_ready_peer_that_never_answers_joins_cannot_stall_matchmaking(make_peers
             break
     else:
         pytest.fail("no identity sorted first in 10000 tries")
-    announced, finished = threading.Event(), threading.Event()
+    async def announce(node, finished):
+        assert node.peer_id.to_base58() == silent_id
+        await node.store(node.key("ready", 0), silent_id,
+                         {"w": 1.0, "s": 1.0, "c": False, "f": True, "n": 1000}, ttl=60)
 
-    async def silent():
-        node = await Node.create(PeerConfig(run_id=peers[0].config.run_id, initial_peers=tuple(peers[0].maddrs),
-                                            identity_path=str(key)))
-        try:
-            assert node.peer_id.to_base58() == silent_id
-            await node.store(node.key("ready", 0), silent_id,
-                             {"w": 1.0, "s": 1.0, "c": False, "f": True, "n": 1000}, ttl=60)
-            announced.set()
-            await asyncio.to_thread(finished.wait, 120)
-        finally:
-            await node.shutdown()
-
-    with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(asyncio.run, silent())
-        try:
-            assert announced.wait(60), "the silent peer did not start"
-            xs = [torch.full((1000,), float(i)) for i in range(3)]
-            with cf.ThreadPoolExecutor(3) as run:
-                stats = list(run.map(lambda a: a[0].average(a[1], step=0, weight=1.0, expected_peers=4),
-                                     zip(peers, xs)))
-        finally:
-            finished.set()
-        fut.result(timeout=60)
+    config = PeerConfig(run_id=peers[0].config.run_id, initial_peers=tuple(peers[0].maddrs), identity_path=str(key))
+    with bare_node(config, announce):
+        xs = [torch.full((1000,), float(i)) for i in range(3)]
+        with cf.ThreadPoolExecutor(3) as run:
+            stats = list(run.map(lambda a: a[0].average(a[1], step=0, weight=1.0, expected_peers=4),
+                                 zip(peers, xs)))
     for x in xs:
         assert torch.equal(x, torch.full((1000,), 1.0))
     assert all(s["peers"] == stats[0]["peers"] and s["group_size"] == 3 for s in stats)
