@@ -412,6 +412,7 @@ class Soak:
                 "delay_updates": self.args.delay_updates, "seed": self.args.seed,
                 "trainers": len(self.trainers), "target": self.args.target, "steps": steps,
                 "lost_steps": len(disagreed) + len(crashes) + len(self.crashed), "disagreed_steps": disagreed[:50],
+                "final_step_agrees": steps not in disagreed,
                 "crashes": (crashes + self.crashed)[:20],
                 "skipped_steps": sorted({e["step"] for e in events if e["e"] == "round" and e["skipped"]}),
                 "longest_stall_s": round(max(gaps, default=0.0), 1), "max_param_diff": max_diff, **replay,
