@@ -364,6 +364,8 @@ class Soak:
     def analyse(self, start: float, end: float, warm: float) -> dict:
         events = []
         for t in self.trainers:
+            if not os.path.exists(t.events):
+                continue  # started just before the end and stopped before its first event
             with open(t.events) as f:
                 for line in f:
                     try:
