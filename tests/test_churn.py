@@ -284,3 +284,34 @@ def test_a_donor_that_stalls_mid_transfer_does_not_take_the_whole_deadline():
     finally:
         newcomer.close()
         good.close()
+
+
+def test_a_slow_but_steady_donor_is_not_given_up():
+    """STALL_WAIT bounds silence, not speed: a donor that keeps sending, however slowly (here a byte
+    a second, 30 s in all, past the 20 s bound), completes the download."""
+    import asyncio
+
+    from dedloc.net import rpc
+
+    rid = run_id()
+    newcomer = Peer(PeerConfig(run_id=rid), AVG)
+    blob = bytes(range(30))
+
+    async def trickle(node, finished):
+        async def serve(info, reader, writer):
+            await rpc.read_message(reader)
+            await rpc.write_message(writer, {"step": 3, "size": len(blob)})
+            for b in blob:
+                writer.write(bytes([b]))
+                await writer.drain()
+                await asyncio.sleep(1.0)  # a slow link: a byte a second (pacing, not synchronisation)
+            await rpc.wait_peer_closed(reader, 30)
+            writer.close()
+
+        await node.p2p.add_binary_stream_handler(f"dedloc.{rid}.state", serve)
+
+    try:
+        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(newcomer.maddrs)), trickle) as slow:
+            assert newcomer.download_state([slow], 3, timeout=90) == (3, blob, slow)
+    finally:
+        newcomer.close()

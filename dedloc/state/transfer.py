@@ -162,12 +162,14 @@ class StateServer:
                 raise ProtocolError(f"bad state header {head!r}")
             parts, got = [], 0
             while got < size:  # a donor that stops sending (frozen mid-transfer) fails after STALL_WAIT
-                n = min(CHUNK, size - got)
-                try:
-                    parts.append(await asyncio.wait_for(reader.readexactly(n), STALL_WAIT))
+                try:  # whatever has arrived: a slow but steady link never trips this
+                    part = await asyncio.wait_for(reader.read(min(CHUNK, size - got)), STALL_WAIT)
                 except asyncio.TimeoutError:
                     raise StateError(f"sent nothing for {STALL_WAIT:.0f} s ({got} of {size} bytes in)") from None
-                got += n
+                if not part:
+                    raise asyncio.IncompleteReadError(b"", size - got)
+                parts.append(part)
+                got += len(part)
             return step, b"".join(parts)
         finally:
             writer.close()
