@@ -63,6 +63,9 @@ class PeerService:
 
     async def publish_progress(self, record: dict[str, Any], ttl: float) -> bool:
         self._progress = (record, ttl)
+        return await self._store_progress(record, ttl)
+
+    async def _store_progress(self, record: dict[str, Any], ttl: float) -> bool:
         return await self.node.store(self.node.key("progress"), self.node.peer_id.to_base58(), record, ttl)
 
     async def read_progress(self) -> list[ProgressRecord]:
@@ -107,7 +110,7 @@ class PeerService:
             await asyncio.sleep(ttl / 3)
             if self._progress is not None and self._progress[0] is record:  # nothing newer was published
                 try:
-                    await self.node.store(self.node.key("progress"), self.node.peer_id.to_base58(), record, ttl)
+                    await self._store_progress(record, ttl)
                 except Exception as e:
                     logger.debug(f"could not refresh the progress record: {e!r}")
 
