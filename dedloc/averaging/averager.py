@@ -110,7 +110,10 @@ class Averager:
         self._expiries[round_id] = asyncio.get_running_loop().call_later(lifetime, self._expire, round_id)
 
     def _expire(self, round_id: bytes) -> None:
-        self._expiries.pop(round_id, None)
+        """Stop serving the round and close it (from its timer, or early at shutdown)."""
+        handle = self._expiries.pop(round_id, None)
+        if handle is not None:
+            handle.cancel()  # a no-op when the timer itself fired
         rnd = self._rounds.pop(round_id, None)
         if rnd is not None:
             rnd.close()
@@ -118,9 +121,6 @@ class Averager:
     def close(self) -> None:
         """Close every round still registered (at shutdown, after drain)."""
         for round_id in list(self._rounds):
-            handle = self._expiries.pop(round_id, None)
-            if handle is not None:
-                handle.cancel()
             self._expire(round_id)
         for task in self._reporters:
             task.cancel()

@@ -145,10 +145,11 @@ class Matchmaker:
         gather = t if gather_time is None else max(0.0, gather_time)
         gather_deadline = loop.time() + gather
         me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client, self.fetch)
+        started, ready_ttl = loop.time(), 3 * t + gather + self.config.averaging_timeout
         _, closed_by = await asyncio.gather(
             self.node.store(self.node.key("ready", step), self.me,
                             {"w": me.weight, "s": me.share, "c": me.client, "f": me.fetch, "n": int(numel)},
-                            ttl=3 * t + gather + self.config.averaging_timeout),
+                            ttl=ready_ttl),
             self._closed_without_me(step))
         if closed_by:  # a late peer learns it at once instead of after the gather window
             self._missed(step, closed_by)
@@ -168,21 +169,18 @@ class Matchmaker:
             group = await self._run_lead(step, me, expected_peers, loop.time() + t, numel, timeout)
         else:
             group = await self._run_follow(step, me, candidates, loop.time() + 2 * t, gather, numel, timeout)
-        self._check_not_stale(step, loop.time() - (gather_deadline - gather), gather)
-        return group
-
-    def _check_not_stale(self, step: int, elapsed: float, gather: float) -> None:
-        """Refuse a group formed over longer than the step's ready records live (what this peer
-        stored at the start): this process was suspended (a stopped laptop) and woke up to a step
-        whose records had expired, so it could only see itself, and would take the step alone."""
-        lifetime = 3 * self.config.matchmaking_time + gather + self.config.averaging_timeout
-        if elapsed > lifetime:
+        # A group formed over longer than the ready record stored above lives is refused: this process
+        # was suspended (a stopped laptop) and woke up to a step whose records had expired, so it could
+        # only see itself, and would take the step alone.
+        elapsed = loop.time() - started
+        if elapsed > ready_ttl:
             raise MatchmakingError(f"step {step}: matchmaking took {elapsed:.0f} s, longer than the step's records "
-                                   f"live ({lifetime:.0f} s): this peer was suspended; the group is stale")
+                                   f"live ({ready_ttl:.0f} s): this peer was suspended; the group is stale")
+        return group
 
     # ---- leader ----------------------------------------------------------------------------------
     async def _run_lead(self, step: int, me: Member, expected: int | None, close_deadline: float,
-                        numel: int = 0, timeout: float | None = None) -> Group:
+                        numel: int, timeout: float) -> Group:
         loop = asyncio.get_running_loop()
         state = _Lead({self.me: me})
         self._lead[step] = state
@@ -196,7 +194,7 @@ class Matchmaker:
                 state.done.set()
                 logger.info(f"step {step}: stepping down as leader for {smaller[0]}")
                 return await self._run_follow(step, me, smaller, loop.time() + 2 * self.config.matchmaking_time,
-                                              numel=numel, timeout=timeout)
+                                              0.0, numel, timeout)
             if set(ready) - unreachable <= set(state.members) and (not expected or len(state.members) >= expected):
                 break
             await asyncio.sleep(POLL)
@@ -205,7 +203,7 @@ class Matchmaker:
         if self.policy is not None and self.config.strategy == "partitioned":
             members = await self._planned(members, subgroups, numel)
         group = Group(os.urandom(16), step, members, subgroups, self.config.strategy, self.config.compression,
-                      timeout or self.config.averaging_timeout)
+                      timeout)
         state.group = group
         await self.node.store(self.node.key("closed", step), self.me, [m.peer_id for m in members],
                               ttl=3 * self.config.matchmaking_time + self.config.averaging_timeout)
@@ -272,7 +270,7 @@ class Matchmaker:
 
     # ---- follower --------------------------------------------------------------------------------
     async def _run_follow(self, step: int, me: Member, candidates: list[str], deadline: float,
-                          gather: float = 0.0, numel: int = 0, timeout: float | None = None) -> Group:
+                          gather: float, numel: int, timeout: float) -> Group:
         loop = asyncio.get_running_loop()
         self._decision(step).set()
         request = {"v": VERSION, "step": step, "w": me.weight, "s": me.share, "c": me.client, "f": me.fetch,

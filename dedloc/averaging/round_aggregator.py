@@ -96,8 +96,7 @@ class AggregatorRole:
                 raise ProtocolError(f"sent part {header.part}, expected part {c.me}")
             if member.weight <= 0:
                 raise ProtocolError("a member with weight 0 has nothing to contribute")
-            if abs(header.weight - member.weight) > 1e-6 * max(1.0, member.weight):
-                raise ProtocolError(f"weight {header.weight} differs from the agreed {member.weight}")
+            c.check_weight(header, member)
             buf = c.pool.take(e - s, c.wire_dtype)
             check_payload(header, buf)
             if not part.begin(k, member.weight, buf):

@@ -13,7 +13,7 @@ from typing import Awaitable, Callable
 import torch
 
 from dedloc.averaging.buffers import BufferPool
-from dedloc.averaging.group import Group
+from dedloc.averaging.group import Group, Member
 from dedloc.averaging.wire import Header, Kind, ProtocolError, read_error_text, read_header, read_payload_into, write_frame
 from dedloc.errors import AveragingError
 from dedloc.net.bulk import Transfer, busy_seconds
@@ -100,6 +100,12 @@ class RoundCore:
     def rounded(self, t: torch.Tensor) -> torch.Tensor:
         """Round as the wire will, so the aggregator keeps exactly what others receive."""
         return t if self.wire_dtype == torch.float32 else t.to(self.wire_dtype).float()
+
+    @staticmethod
+    def check_weight(header: Header, member: Member) -> None:
+        """A contribution must carry the weight the member declared when the group formed."""
+        if abs(header.weight - member.weight) > 1e-6 * max(1.0, member.weight):
+            raise ProtocolError(f"weight {header.weight} differs from the agreed {member.weight}")
 
     def contribution(self, part: int) -> torch.Tensor | None:
         if self.weight <= 0:

@@ -95,8 +95,7 @@ class FailoverRole:
                 if member.weight > 0:
                     acc.add(k, member.weight, c.local[s:e])  # an empty part: only the weight counts
                 return
-            if abs(header.weight - member.weight) > 1e-6 * max(1.0, member.weight):
-                raise ProtocolError(f"weight {header.weight} differs from the agreed {member.weight}")
+            c.check_weight(header, member)
             data = await c.read_part(reader, writer, header, part, k)
             acc.add(k, member.weight, data)
             c.pool.give(data)
