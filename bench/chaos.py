@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dedloc.testing.procs import children, session_pids, sessions_alive
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import chaos_trainer as model_code  # noqa: E402  (the trainers' model, data and optimizer, for the replay)
@@ -47,42 +49,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def processes() -> list[tuple[int, int, int]]:
-    """(pid, parent pid, session id) of every process that has not exited (zombies left out)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(") ", 1)[1].split()
-                if fields[0] != "Z":
-                    out.append((int(entry), int(fields[1]), int(fields[3])))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
-
-
-def sessions_alive(sids: set[int]) -> list[str]:
-    """Processes in the sessions ``sids``, with their command lines."""
-    out = []
-    for pid, _, sid in processes():
-        if sid in sids:
-            try:
-                with open(f"/proc/{pid}/cmdline") as c:
-                    out.append(f"{pid} {c.read().replace(chr(0), ' ')[:80]}")
-            except OSError:
-                pass
-    return out
-
-
-def children(pid: int) -> list[int]:
-    return [p for p, parent, _ in processes() if parent == pid]
-
-
-def session_pids(sid: int) -> list[int]:
-    return [p for p, _, s in processes() if s == sid]
 
 
 def rss_kb(pid: int) -> int | None:

@@ -1,7 +1,6 @@
 import asyncio
 import concurrent.futures as cf
 import contextlib
-import os
 import threading
 import time
 import uuid
@@ -10,6 +9,7 @@ import pytest
 
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.peer import Peer, start_peers
+from dedloc.testing.procs import sessions_alive
 
 
 @contextlib.contextmanager
@@ -45,24 +45,6 @@ def bare_node(config, setup):
 
 def run_id() -> str:
     return "t" + uuid.uuid4().hex[:10]
-
-
-def sessions_alive(pids):
-    """Processes (background runtimes and their p2pd daemons) still in the sessions of ``pids``."""
-    alive = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getsid(int(entry)) in pids:
-                    with open(f"/proc/{entry}/stat") as f:
-                        state = f.read().split(") ")[1][0]
-                    with open(f"/proc/{entry}/cmdline") as f:
-                        cmd = f.read().replace("\0", " ")[:60]
-                    if state != "Z":  # exited; only waiting for init to reap it
-                        alive.append(f"{entry} {state} {cmd}")
-            except (ProcessLookupError, PermissionError, FileNotFoundError):
-                pass
-    return alive
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import sessions_alive
+from dedloc.testing.procs import sessions_alive
 from dedloc import JoinError, Peer, PeerConfig
 
 

@@ -1,0 +1,50 @@
+"""Processes as /proc lists them, for tests and benchmarks that must prove nothing was left behind.
+
+Only reads /proc (Linux). Zombies (exited, waiting to be reaped) count as gone.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+
+def processes() -> list[tuple[int, int, int, str]]:
+    """(pid, parent pid, session id, state letter) of every process that has not exited."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(") ", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # it exited meanwhile
+            if fields[0] != "Z":
+                out.append((int(entry), int(fields[1]), int(fields[3]), fields[0]))
+    return out
+
+
+def sessions_alive(sids: Iterable[int]) -> list[str]:
+    """``"pid state command"`` of each process still in one of the sessions ``sids`` (a runtime and
+    its p2p daemon share the runtime's session)."""
+    sids = set(sids)
+    alive = []
+    for pid, _, sid, state in processes():
+        if sid in sids:
+            try:
+                with open(f"/proc/{pid}/cmdline") as f:
+                    alive.append(f"{pid} {state} {f.read().replace(chr(0), ' ')[:60]}")
+            except OSError:
+                pass
+    return alive
+
+
+def children(pid: int) -> list[int]:
+    return [p for p, parent, _, _ in processes() if parent == pid]
+
+
+def session_pids(sid: int) -> list[int]:
+    return [p for p, _, s, _ in processes() if s == sid]
+
+
+__all__ = ["processes", "sessions_alive", "children", "session_pids"]
