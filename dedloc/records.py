@@ -81,9 +81,16 @@ class CollaborationView:
 
     @property
     def global_step(self) -> int:
-        """The newest step a peer that holds the training state is at. Aggregator-only peers hold
-        no state: their records (the next round they will serve) follow the step, never lead it (a
-        round that failed for the trainers once left the aggregator "ahead" at a step nobody held)."""
+        """The newest step a peer that can send its state is at: the step the collaboration can hand on.
+
+        Reachable trainers and backbones serve their state; a client-mode peer cannot (it accepts
+        no streams). So while a reachable trainer is alive, a client ahead of every reachable peer
+        (e.g. one that moved on alone after a round failed for it) does not move the step: counting
+        it sent every resync chasing a step no donor held. With no reachable trainer alive, the
+        clients are the collaboration and count too. Aggregator-only peers hold no state (their
+        records name the next round they will serve) and never count."""
+        if any(r.role == Role.TRAINER for r in self.peers):
+            return max(r.step for r in self.peers if r.role in (Role.TRAINER, Role.BACKBONE))
         return max((r.step for r in self.peers if r.role != Role.AGGREGATOR), default=0)
 
     @property

@@ -315,3 +315,59 @@ def test_a_slow_but_steady_donor_is_not_given_up():
             assert newcomer.download_state([slow], 3, timeout=90) == (3, blob, slow)
     finally:
         newcomer.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_client_whose_round_failed_does_not_run_ahead_alone():
+    """Delayed updates: a client-mode peer whose round failed (the reachable trainer was not there)
+    moved on alone, skipping steps no one else skipped; every resync then chased its step, which no
+    peer could send (clients accept no streams): trainers crashed with 'no donor is advertising it'.
+    Now the client holds its round until a reachable trainer reaches its step, the trainer takes the
+    step, and the client takes it with the trainer: one history."""
+    torch.set_num_threads(1)
+    rid = run_id()
+    a = Peer(PeerConfig(run_id=rid), AVG)
+    c = Peer(PeerConfig(run_id=rid, initial_peers=tuple(a.maddrs), client_mode=True), AVG)
+    cfg = OptimizerConfig(target_batch_size=32, delay_updates=True, state_timeout=20)
+    tc = None
+
+    def pause_at_two(copt):  # the trainer stalls (a busy laptop) until the client has shown what it does
+        if copt.global_step == 2 and not getattr(pause_at_two, "done", False):
+            pause_at_two.done = True
+            deadline = time.monotonic() + 25  # within the trainer's record's lifetime (progress_ttl)
+            while time.monotonic() < deadline and getattr(tc.opt, "_held_at", None) is None and not tc.opt.skipped_steps \
+                    and tc.opt.global_step < 4:
+                time.sleep(0.05)
+
+    try:
+        ta = Trainer(0, a, cfg, 8, delay=0.1, steps=6, gate=pause_at_two)
+        tc = Trainer(1, c, cfg, 8, delay=0.1, steps=6)
+        ta.start()
+        tc.start()
+        join_all([ta, tc], timeout=200)
+        assert tc.opt.skipped_steps == 0, "the client skipped a step the trainer took"
+        assert ta.opt.resyncs == 0, "the trainer chased the client's step"
+        common = set(ta.params) & set(tc.params)
+        assert max(common) == 6
+        for step in sorted(common):
+            assert torch.equal(ta.params[step], tc.params[step]), f"the peers differ after step {step}"
+    finally:
+        for p in (a, c):
+            p.close()
+
+
+def test_a_round_of_clients_and_aggregators_alone_does_not_close_the_step(make_peers):
+    """A client and an aggregator-only peer took a step while the reachable trainers were slow to
+    join: nobody could download that step, yet its closed record told the trainers they had missed
+    it, and each retry was 'missed' again until the record expired (a 63 s stall in the soak). Now
+    such a group closes the step for its members alone, and the trainer forms a group of its own."""
+    import concurrent.futures as cf
+
+    trainer, client, aggregator = make_peers(3, clients=(1,), averaging=AVG)
+    with cf.ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(client.average, torch.ones(4), step=0, weight=8.0, expected_peers=2),
+                pool.submit(aggregator.average, torch.zeros(4), step=0, weight=0.0, expected_peers=2)]
+        stats = [r.result(60) for r in runs]
+    assert sorted(stats[0]["peers"]) == sorted([client.peer_id, aggregator.peer_id])
+    late = trainer.average(torch.full((4,), 3.0), step=0, weight=8.0, expected_peers=1)
+    assert late["peers"] == [trainer.peer_id]

@@ -153,6 +153,12 @@ def test_records_view_and_validation():
     assert view.eta(320) == pytest.approx(2.0)
     assert view.eta(100) == 0.0
     assert view.by_role() == {"trainer": 2, "client": 1, "aggregator": 1}
+    # a client ahead of every reachable trainer cannot hand its state on: it does not lead...
+    ahead = CollaborationView.build(recs + [ProgressRecord("e", 9, 8, 5.0, Role.CLIENT, 0, now)], now)
+    assert ahead.global_step == 3 and ahead.samples == 160
+    # ...unless no reachable trainer is alive (then clients and backbones count, aggregators never)
+    alone = CollaborationView.build([r for r in ahead.peers if r.role != Role.TRAINER], now)
+    assert alone.global_step == 9
     assert ProgressRecord.from_wire("a", recs[0].to_wire()) == recs[0]
     for bad in ({"step": -1, "samples": 0, "samples_per_second": 0, "role": "trainer"},
                 {"step": 1, "samples": 0, "samples_per_second": float("nan"), "role": "trainer"},

@@ -9,7 +9,10 @@ Protocol (docs/averaging.md has the reasoning):
    shares in that Group come from the leader's planner, so every member follows one plan.
 4. A leader that later sees a smaller reachable peer steps down and redirects its joiners.
    A peer that asks a closed leader, or finds a closed group without itself, gets
-   :class:`MissedRoundError` and joins the next step.
+   :class:`MissedRoundError` and joins the next step. A group in which no member can hand its
+   state on (only clients and aggregator-only peers) closes the step for its members alone: its
+   leader publishes no ``closed`` record and answers late joiners ``{"missed", "held": false}``,
+   and they pass it over as if unreachable and form another group.
 
 Guarantees: a peer is in at most one group per step (it sends at most one join whose outcome
 is unknown, and a leader's group is final once sent); every call returns or raises within
@@ -48,6 +51,16 @@ class _Lead:
     incarnations: dict[str, str] = field(default_factory=dict)
     """Per member, the incarnation that joined: a peer restarted under the same identity is another
     process, and never gets its predecessor's group (it would send another weight)."""
+    held: bool = True
+    """Whether a member of the closed group can hand its state on (see ``_holds_state``)."""
+
+
+def _holds_state(members: tuple[Member, ...]) -> bool:
+    """A group's result can be handed on only if a member both contributed (weight > 0: it holds the
+    model) and accepts streams (not a client). A group of clients and aggregator-only peers took the
+    step for themselves alone: peers that missed it could never download it, so it does not close
+    the step for them (they form another group; the lineage vote then settles which one stands)."""
+    return any(m.weight > 0 and not m.client for m in members)
 
 
 SharePolicy = Callable[[tuple[Member, ...], int], Awaitable[tuple[float, ...]]]
@@ -205,8 +218,13 @@ class Matchmaker:
         group = Group(os.urandom(16), step, members, subgroups, self.config.strategy, self.config.compression,
                       timeout)
         state.group = group
-        await self.node.store(self.node.key("closed", step), self.me, [m.peer_id for m in members],
-                              ttl=3 * self.config.matchmaking_time + self.config.averaging_timeout)
+        state.held = _holds_state(members)
+        if state.held:
+            await self.node.store(self.node.key("closed", step), self.me, [m.peer_id for m in members],
+                                  ttl=3 * self.config.matchmaking_time + self.config.averaging_timeout)
+        else:
+            logger.info(f"step {step}: led a group in which no member can hand the state on (clients and "
+                        f"aggregators only); peers that missed it will form another")
         state.done.set()
         logger.debug(f"step {step}: led a group of {len(members)}")
         return group
@@ -260,7 +278,7 @@ class Matchmaker:
                     logger.info(f"step {step}: {peer} restarted after joining; its new process joins the next step")
                     return {"missed": True}
                 return {"group": state.group.to_wire()}
-            return {"missed": True}
+            return {"missed": True, "held": state.held}
         state.members[peer] = member
         state.incarnations[peer] = incarnation
         await state.done.wait()
@@ -281,52 +299,61 @@ class Matchmaker:
         for _ in range(8):
             self._follow[step] = leader
             tried.add(leader)
+            passed_over = None
             try:
                 _, reader, writer = await asyncio.wait_for(
                     self.node.p2p.call_binary_stream_handler(PeerID.from_base58(leader), self.proto),
                     max(0.1, deadline - loop.time()))
             except Exception as e:  # the request was never delivered: safe to try another leader
                 logger.info(f"step {step}: leader {leader} unreachable ({type(e).__name__}); trying the next")
-                self._unreachable.setdefault(step, set()).add(leader)
-                rest = [c for c in candidates if c not in tried and c != self.me]
-                if not rest or rest[0] > self.me:
-                    if not self.client:
-                        # close while the others, who gave up on the same leader, still wait for an answer
-                        t = self.config.matchmaking_time
-                        close = min(deadline - t / 2, loop.time() + t)
-                        return await self._run_lead(step, me, None, close, numel, timeout)
-                    raise MatchmakingError(f"step {step}: no reachable leader among {candidates}") from None
-                leader = rest[0]
-                continue
-            try:
-                await rpc.write_message(writer, request)
-                response = await asyncio.wait_for(rpc.read_message(reader), max(0.1, deadline - loop.time()))
-            except (ConnectionError, asyncio.IncompleteReadError) as e:
-                # The stream broke; the leader may or may not hold our join. Asking the same leader
-                # again is safe: a join is idempotent there, and its group is final once sent.
-                broken += 1
-                if broken > 2 or loop.time() >= deadline:
+                passed_over = f"no reachable leader among {candidates}"
+            else:
+                try:
+                    await rpc.write_message(writer, request)
+                    response = await asyncio.wait_for(rpc.read_message(reader), max(0.1, deadline - loop.time()))
+                except (ConnectionError, asyncio.IncompleteReadError) as e:
+                    # The stream broke; the leader may or may not hold our join. Asking the same leader
+                    # again is safe: a join is idempotent there, and its group is final once sent.
+                    broken += 1
+                    if broken > 2 or loop.time() >= deadline:
+                        raise MatchmakingError(f"step {step}: leader {leader} did not answer the join request: "
+                                               f"{type(e).__name__}: {e}") from None
+                    logger.debug(f"step {step}: join stream to {leader} broke ({e!r}); asking again")
+                    continue
+                except Exception as e:
                     raise MatchmakingError(f"step {step}: leader {leader} did not answer the join request: "
                                            f"{type(e).__name__}: {e}") from None
-                logger.debug(f"step {step}: join stream to {leader} broke ({e!r}); asking again")
-                continue
-            except Exception as e:
-                raise MatchmakingError(f"step {step}: leader {leader} did not answer the join request: "
-                                       f"{type(e).__name__}: {e}") from None
-            finally:
-                writer.close()
-            if not isinstance(response, dict):
-                raise MatchmakingError(f"step {step}: leader {leader} sent a malformed answer")
-            if "group" in response:
-                group = Group.from_wire(response["group"])
-                if group.step != step or group.index(self.me) is None:
-                    raise MatchmakingError(f"step {step}: leader {leader} sent a group without this peer")
-                return group
-            if "redirect" in response and isinstance(response["redirect"], str):
-                leader = response["redirect"]
-                continue
-            if response.get("missed"):
-                raise MissedRoundError(f"step {step}: the round led by {leader} was already closed; "
-                                       f"join the next step")
-            raise MatchmakingError(f"step {step}: leader {leader} refused: {response.get('error')}")
+                finally:
+                    writer.close()
+                if not isinstance(response, dict):
+                    raise MatchmakingError(f"step {step}: leader {leader} sent a malformed answer")
+                if "group" in response:
+                    group = Group.from_wire(response["group"])
+                    if group.step != step or group.index(self.me) is None:
+                        raise MatchmakingError(f"step {step}: leader {leader} sent a group without this peer")
+                    return group
+                if "redirect" in response and isinstance(response["redirect"], str):
+                    leader = response["redirect"]
+                    continue
+                if response.get("missed") and response.get("held") is False:
+                    logger.info(f"step {step}: the round led by {leader} closed with no member that can hand "
+                                f"its state on; forming another")
+                    passed_over = f"the round led by {leader} closed with no member that can hand its state on, " \
+                                  f"and no other reachable peer is ready to lead"
+                elif response.get("missed"):
+                    raise MissedRoundError(f"step {step}: the round led by {leader} was already closed; "
+                                           f"join the next step")
+                else:
+                    raise MatchmakingError(f"step {step}: leader {leader} refused: {response.get('error')}")
+            # this leader is passed over for the step (every peer that asks it is, alike): the next one leads
+            self._unreachable.setdefault(step, set()).add(leader)
+            rest = [c for c in candidates if c not in tried and c != self.me]
+            if not rest or rest[0] > self.me:
+                if not self.client:
+                    # close while the others, who gave up on the same leader, still wait for an answer
+                    t = self.config.matchmaking_time
+                    close = min(deadline - t / 2, loop.time() + t)
+                    return await self._run_lead(step, me, None, close, numel, timeout)
+                raise MatchmakingError(f"step {step}: {passed_over}")
+            leader = rest[0]
         raise MatchmakingError(f"step {step}: too many redirects while looking for the leader")

@@ -167,6 +167,8 @@ class CollaborativeOptimizer:
         self._lineage = lineage.extend({}, self._fingerprint)
         """Fingerprints of the recent steps these parameters went through (travels with the state)."""
         self._closed = False
+        self._held_at: int | None = None
+        """The step this client-mode peer holds its round at, waiting for a reachable trainer."""
         view = self._report(busy=False)
         if view.global_step > self.global_step or self._disagrees(view):
             self._resync(view, "joining a collaboration at step %d" % view.global_step)
@@ -190,7 +192,7 @@ class CollaborativeOptimizer:
         try:
             self.acc.add(batch_size, self.scale.current() if self.scale else 1.0)
             self._zero_grads()
-            if self._catchup is not None and self._catchup.future.done() and not self._land_catchup():
+            if self._catchup is not None and self._catchup.future.done() and not self._land_catchup(wait=False):
                 return StepOutcome.RESYNCED
             if self._inflight is not None and self._inflight.future.done() and not self._finish_inflight():
                 return StepOutcome.RESYNCED
@@ -203,6 +205,8 @@ class CollaborativeOptimizer:
                 return StepOutcome.RESYNCED
             if view.samples_at(self.global_step) < self.config.target_batch_size and \
                     view.global_step <= self.global_step:
+                return StepOutcome.ACCUMULATED
+            if self._would_lead_alone(view):
                 return StepOutcome.ACCUMULATED
             return self._round(view)
         finally:
@@ -302,12 +306,15 @@ class CollaborativeOptimizer:
                                  time.monotonic())
         self.catchups += 1
 
-    def _land_catchup(self) -> bool:
-        """Wait for the catch-up download and load it; False if the gradients in hand were dropped.
+    def _land_catchup(self, wait: bool = True) -> bool:
+        """Load the catch-up download; False if the gradients in hand were dropped. With ``wait``
+        False (the download failed but may yet succeed), a retry goes on in the background.
 
         If no peer has the state (the round failed for every member), the members agree that the
         step is lost: each skips it, parameters unchanged, once no live peer shows the update
-        applied and the round's stragglers have had ``2 * matchmaking_time + FRESH_GRACE`` to."""
+        applied, no training peer is still accumulating for that step (it may yet take it: e.g. the
+        others, whose round had not started when this peer's failed), and the round's stragglers
+        have had ``2 * matchmaking_time + FRESH_GRACE`` to publish it."""
         catchup, self._catchup = self._catchup, None
         while True:
             try:
@@ -317,18 +324,25 @@ class CollaborativeOptimizer:
                 break
             except (StateError, ProtocolError, cf.TimeoutError) as e:
                 view = self._report(busy=False)
+                lost = catchup.min_step - 1
                 if self._skip_published(view, catchup.min_step):  # another member concluded first: follow it
-                    self._skip_lost_step(catchup.min_step - 1)
+                    self._skip_lost_step(lost)
                     return True
-                if any(p[0] >= catchup.min_step for r in view.peers if (p := lineage.parse(r.fingerprint))):
+                if any(p[0] >= catchup.min_step for r in view.peers
+                       if _serves(r) and (p := lineage.parse(r.fingerprint))):
                     self._resync(view, f"catching up failed: {e}", min_step=catchup.min_step)
                     return False
-                if time.monotonic() - catchup.started < 2 * self.peer.averaging.matchmaking_time + FRESH_GRACE:
-                    time.sleep(0.5)  # a member whose round succeeded may not have published it yet
+                if self._may_still_take(view, lost) or \
+                        time.monotonic() - catchup.started < 2 * self.peer.averaging.matchmaking_time + FRESH_GRACE:
+                    if wait:
+                        time.sleep(0.5)  # a member whose round succeeded may not have published it yet
                     catchup = _CatchUp(catchup.min_step, self.peer.download_state_async(
                         self._donors(view, catchup.min_step), catchup.min_step, FRESH_GRACE), catchup.started)
+                    if not wait:
+                        self._catchup = catchup
+                        return True
                     continue
-                self._skip_lost_step(catchup.min_step - 1)
+                self._skip_lost_step(lost)
                 return True
         inflight, global_step = self._inflight, self.global_step
         self.load_state_dict(state)  # sets both steps to the state's
@@ -355,6 +369,25 @@ class CollaborativeOptimizer:
             return False
         skipped = f"{step}:{self._fingerprint.partition(':')[2]}"
         return any(r.fingerprint == skipped for r in view.peers if r.peer_id != self.peer.peer_id)
+
+    def _may_still_take(self, view: CollaborationView, step: int) -> bool:
+        """Another training peer is still accumulating for ``step``: it has not started that round."""
+        me = self.peer.peer_id
+        return any(r.step == step and r.role.trains for r in view.peers if r.peer_id != me)
+
+    def _would_lead_alone(self, view: CollaborationView) -> bool:
+        """A client-mode peer ahead of every reachable trainer holds back its round (keeping its
+        gradients) until one reaches its step: no one could download the steps it took alone, so they
+        would only fork off the collaboration (see ``CollaborationView.global_step``)."""
+        if self.peer.role != Role.CLIENT or view.global_step >= self.global_step or \
+                not any(r.role == Role.TRAINER for r in view.peers):
+            self._held_at = None
+            return False
+        if self._held_at != self.global_step:
+            self._held_at = self.global_step
+            logger.info(f"step {self.global_step}: no reachable trainer has reached it yet (they are at step "
+                        f"{view.global_step}); a client-mode peer does not lead, so it keeps accumulating")
+        return True
 
     def _skip_lost_step(self, step: int) -> None:
         """Every member lost the round of ``step``: count it as taken without an update, as they all do."""
@@ -514,8 +547,8 @@ class CollaborativeOptimizer:
         consensus = view.consensus_fingerprint(step)
         ranked: list[tuple[int, float, str]] = []
         for r in view.peers:
-            if r.peer_id == me or r.role in (Role.CLIENT, Role.AGGREGATOR) or r.step < step:
-                continue  # clients accept no streams; aggregator-only peers hold no state
+            if r.peer_id == me or not _serves(r) or r.step < step:
+                continue
             tier = 0 if r.role.trains and (consensus is None or r.fingerprint in ("", consensus)) else \
                 1 if r.role.trains else 2
             ranked.append((tier, random.random(), r.peer_id))
@@ -545,7 +578,13 @@ class CollaborativeOptimizer:
 
     def _resync(self, view: CollaborationView, reason: str, min_step: int = 0) -> None:
         """Drop the gradients in hand and load the collaboration's state (downloaded unless this peer
-        already holds it); raises StateError if no donor sends an acceptable one within state_timeout.
+        already holds it).
+
+        It keeps trying while some reachable peer advertises the state (donors that are busy, behind
+        or slow are transient under churn: a warning is logged every ``state_timeout``), re-reading
+        the target each time; it returns as soon as the collaboration is back at this peer's state.
+        It raises StateError only when, for ``state_timeout`` on end, no reachable peer that this peer
+        has not refused advertised the state (e.g. only client-mode peers hold it: they cannot send it).
 
         While it waits, the runtime keeps this peer's (emptied) progress record alive, so the others
         still see it and a newcomer never mistakes an older checkpoint for the collaboration's state."""
@@ -560,15 +599,16 @@ class CollaborativeOptimizer:
                         f"its gradients are dropped, nothing to download")
             return
         logger.info(f"out of sync ({reason}): downloading the state of step >= {target}")
-        t0 = time.monotonic()
-        deadline = t0 + self.config.state_timeout
+        t0 = warned = time.monotonic()
+        timeout = self.config.state_timeout
         refused: set[str] = set()  # donors whose state did not decode, or was a fork
         reasons: list[str] = []
+        no_donor_since: float | None = None
         pause = 0.5
         while True:
             donors = [d for d in donors if d not in refused]
             try:
-                step, blob, donor = self.peer.download_state(donors, target, max(1.0, deadline - time.monotonic()))
+                step, blob, donor = self.peer.download_state(donors, target, timeout)
                 state = snapshot.decode(blob)
                 self._check_lineage(state, donor, view)
             except ProtocolError as e:  # this donor's bytes are not a state, or not the collaboration's: try others
@@ -582,9 +622,15 @@ class CollaborativeOptimizer:
             else:
                 self.load_state_dict(state)  # a state that does not fit the model raises at once
                 break
-            if time.monotonic() + pause >= deadline:
-                raise StateError(f"could not resync within {self.config.state_timeout:.0f} s: {error}"
+            now = time.monotonic()
+            no_donor_since = None if donors else (no_donor_since or now)
+            if no_donor_since is not None and now + pause - no_donor_since >= timeout:
+                raise StateError(f"could not resync: for {timeout:.0f} s no reachable peer advertised the state of "
+                                 f"step >= {target} (client-mode peers cannot send theirs): {error}"
                                  + "".join(f"; {r}" for r in reasons)) from None
+            if now - warned >= timeout:
+                warned = now
+                logger.warning(f"still resyncing to step >= {target} after {now - t0:.0f} s: {error}")
             time.sleep(pause)
             pause = min(5.0, 2 * pause)
             view = self._report(busy=False)  # stay visible; offer our state if someone waits for it
@@ -647,6 +693,11 @@ class CollaborativeOptimizer:
     def _zero_grads(self) -> None:
         for p in self.params:
             p.grad = None
+
+
+def _serves(record: ProgressRecord) -> bool:
+    """Whether this peer can send its state: clients accept no streams; aggregator-only peers hold none."""
+    return record.role in (Role.TRAINER, Role.BACKBONE)
 
 
 def _lineage_of(state: dict[str, Any]) -> dict[int, str]:
