@@ -371,3 +371,52 @@ def test_a_round_of_clients_and_aggregators_alone_does_not_close_the_step(make_p
     assert sorted(stats[0]["peers"]) == sorted([client.peer_id, aggregator.peer_id])
     late = trainer.average(torch.full((4,), 3.0), step=0, weight=8.0, expected_peers=1)
     assert late["peers"] == [trainer.peer_id]
+
+
+def test_a_missed_step_whose_only_holder_vanished_is_skipped_not_awaited():
+    """Delayed updates: round s reached one member and failed for the rest; that member then died
+    (kill -9). The others had switched from catching up to a blocking resync demanding step s+1,
+    which nobody alive would ever hold: they waited, then raised, and the collaboration rewound to
+    the backbone's checkpoint (a 258 s stall in the soak). Now a catch-up retries while a holder is
+    alive and skips the step, gradients kept, once none is."""
+    import concurrent.futures as cf
+
+    from dedloc.errors import StateError
+    from dedloc.optim.optimizer import _CatchUp
+    from dedloc.records import ProgressRecord, Role
+
+    rid = run_id()
+    peer = Peer(PeerConfig(run_id=rid), AVG)
+
+    async def holder(node, finished):  # says it applied step 1, serves nothing, and dies (its record expires)
+        record = ProgressRecord(node.peer_id.to_base58(), 2, 0, 1.0, Role.TRAINER, fingerprint="1:feedbeef")
+        await node.store(node.key("progress"), node.peer_id.to_base58(), record.to_wire(), ttl=4.0)
+
+    try:
+        model = make_model()
+        opt, sched = make_opt(model)
+        copt = CollaborativeOptimizer(opt, peer, OptimizerConfig(target_batch_size=10_000, delay_updates=True,
+                                                                 state_timeout=5),
+                                      scheduler=sched, model=model)
+        copt.global_step = 1  # round 0 ran in the background and failed for this peer
+        model[0].weight.sum().backward()
+        copt.step(8)
+        failed: cf.Future = cf.Future()
+        failed.set_exception(StateError("no state at step >= 1"))
+        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs)), holder) as gone:
+            deadline = time.monotonic() + 20
+            while not any(r.peer_id == gone for r in peer.collaboration().peers):
+                assert time.monotonic() < deadline, "the holder's record never showed"
+                time.sleep(0.1)
+            copt._catchup = _CatchUp(1, failed, time.monotonic() - 100)
+            assert copt._land_catchup(wait=False), "gradients dropped while a peer held the step"
+            assert copt._catchup is not None and copt.skipped_steps == 0, "it did not keep asking the holder"
+        deadline = time.monotonic() + 30
+        while any(r.peer_id == gone for r in peer.collaboration().peers):
+            assert time.monotonic() < deadline, "the holder's record never expired"
+            time.sleep(0.2)
+        assert copt._land_catchup(wait=True), "gradients dropped"  # its retry fails: nobody holds step 1 now
+        assert copt.skipped_steps == 1 and copt.applied_step == 1 and copt.acc.samples == 8
+        copt.close()
+    finally:
+        peer.close()

@@ -328,11 +328,14 @@ class CollaborativeOptimizer:
                 if self._skip_published(view, catchup.min_step):  # another member concluded first: follow it
                     self._skip_lost_step(lost)
                     return True
-                if any(p[0] >= catchup.min_step for r in view.peers
-                       if _serves(r) and (p := lineage.parse(r.fingerprint))):
-                    self._resync(view, f"catching up failed: {e}", min_step=catchup.min_step)
+                if isinstance(e, ProtocolError):  # the donor's bytes are not a state, or a fork: start over
+                    self._resync(view, f"catching up failed: {e}")
                     return False
-                if self._may_still_take(view, lost) or \
+                held = any(p[0] >= catchup.min_step for r in view.peers
+                           if _serves(r) and (p := lineage.parse(r.fingerprint)))
+                # a peer holds the step (asking again can succeed), may yet take it, or may not have
+                # published it yet; once none does, the step is lost for every peer alive
+                if held or self._may_still_take(view, lost) or \
                         time.monotonic() - catchup.started < 2 * self.peer.averaging.matchmaking_time + FRESH_GRACE:
                     if wait:
                         time.sleep(0.5)  # a member whose round succeeded may not have published it yet
@@ -563,7 +566,7 @@ class CollaborativeOptimizer:
             cf.wait([inflight.future], timeout=self.config.max_gather_wait + 2 * avg.matchmaking_time
                     + avg.averaging_timeout + 30)
 
-    def _sync_target(self, view: CollaborationView, min_step: int) -> tuple[int | None, list[str]]:
+    def _sync_target(self, view: CollaborationView) -> tuple[int | None, list[str]]:
         """The step to download and the donors to try; (None, []) if this peer already holds the
         collaboration's state (nothing to download: e.g. a round that failed for every member)."""
         me = self.peer.peer_id
@@ -571,12 +574,12 @@ class CollaborativeOptimizer:
             theirs = set(lineage.votes(self._lineage, view, exclude=me).disagree)
             target = max(lineage.parse(r.fingerprint)[0] for r in view.peers if r.peer_id in theirs)
             return target, [d for d in self._donors(view, target) if d in theirs]
-        target = max(view.global_step, min_step)
+        target = view.global_step
         if target <= self.applied_step and not self._disagrees(view):
             return None, []
         return target, self._donors(view, target)
 
-    def _resync(self, view: CollaborationView, reason: str, min_step: int = 0) -> None:
+    def _resync(self, view: CollaborationView, reason: str) -> None:
         """Drop the gradients in hand and load the collaboration's state (downloaded unless this peer
         already holds it).
 
@@ -593,7 +596,7 @@ class CollaborativeOptimizer:
         self.acc.reset()
         self._zero_grads()
         view = self._report(busy=False)  # the dropped samples must not count toward the step any more
-        target, donors = self._sync_target(view, min_step)
+        target, donors = self._sync_target(view)
         if target is None:
             logger.info(f"{reason}: this peer already holds the collaboration's state of step {self.applied_step}; "
                         f"its gradients are dropped, nothing to download")
@@ -634,7 +637,7 @@ class CollaborativeOptimizer:
             time.sleep(pause)
             pause = min(5.0, 2 * pause)
             view = self._report(busy=False)  # stay visible; offer our state if someone waits for it
-            target, donors = self._sync_target(view, min_step)
+            target, donors = self._sync_target(view)
             if target is None:
                 logger.info(f"the collaboration is back at this peer's state of step {self.applied_step}: "
                             f"nothing to download")
