@@ -26,6 +26,12 @@ class Role(str, enum.Enum):
     def trains(self) -> bool:
         return self in (Role.TRAINER, Role.CLIENT)
 
+    @property
+    def serves(self) -> bool:
+        """Whether peers can download this peer's state: clients accept no streams; aggregator-only
+        peers hold none."""
+        return self in (Role.TRAINER, Role.BACKBONE)
+
 
 @dataclass(frozen=True)
 class ProgressRecord:
@@ -90,7 +96,7 @@ class CollaborationView:
         clients are the collaboration and count too. Aggregator-only peers hold no state (their
         records name the next round they will serve) and never count."""
         if any(r.role == Role.TRAINER for r in self.peers):
-            return max(r.step for r in self.peers if r.role in (Role.TRAINER, Role.BACKBONE))
+            return max(r.step for r in self.peers if r.role.serves)
         return max((r.step for r in self.peers if r.role != Role.AGGREGATOR), default=0)
 
     @property

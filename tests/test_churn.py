@@ -1,5 +1,6 @@
 """Regressions from the chaos soak (bench/chaos.py): restarts, freezes, forks and rounds lost by all."""
 
+import asyncio
 import os
 import signal
 import threading
@@ -11,6 +12,7 @@ import torch
 from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
 from dedloc.errors import MatchmakingError, MissedRoundError
 from dedloc.optim import CollaborativeOptimizer
+from dedloc.optim.optimizer import StepOutcome
 from dedloc.peer import Peer
 
 from conftest import bare_node, run_id
@@ -257,7 +259,6 @@ def test_a_step_lost_by_every_member_is_skipped_by_all():
 def test_a_donor_that_stalls_mid_transfer_does_not_take_the_whole_deadline():
     """A donor frozen after its header (a stopped laptop) once held a newcomer for all of
     state_timeout: the bytes had no bound of their own. Now the next donor is tried after STALL_WAIT."""
-    import asyncio
 
     from dedloc.net import rpc
 
@@ -289,7 +290,6 @@ def test_a_donor_that_stalls_mid_transfer_does_not_take_the_whole_deadline():
 def test_a_slow_but_steady_donor_is_not_given_up():
     """STALL_WAIT bounds silence, not speed: a donor that keeps sending, however slowly (here a byte
     a second, 30 s in all, past the 20 s bound), completes the download."""
-    import asyncio
 
     from dedloc.net import rpc
 
@@ -418,5 +418,58 @@ def test_a_missed_step_whose_only_holder_vanished_is_skipped_not_awaited():
         assert copt._land_catchup(wait=True), "gradients dropped"  # its retry fails: nobody holds step 1 now
         assert copt.skipped_steps == 1 and copt.applied_step == 1 and copt.acc.samples == 8
         copt.close()
+    finally:
+        peer.close()
+
+
+def test_a_peer_still_catching_up_does_not_take_the_next_step_alone():
+    """Delayed updates: a trainer whose round failed went on to the next round while its catch-up
+    was pending; alone in it, it published a step ahead of everyone, who then waited for its state
+    while it waited (catching up) for theirs: a stall in the soak. Now it holds that round, keeping
+    its gradients, until another reachable trainer reaches its step."""
+    import concurrent.futures as cf
+
+    from dedloc.optim.optimizer import _CatchUp
+    from dedloc.records import ProgressRecord, Role
+
+    rid = run_id()
+    peer = Peer(PeerConfig(run_id=rid), AVG)
+    moved, tasks = threading.Event(), []
+
+    async def other(node, finished):  # another trainer, one step behind, then at this peer's step
+        me = node.peer_id.to_base58()
+        record = ProgressRecord(me, 1, 0, 1.0, Role.TRAINER, fingerprint="1:cafe")
+        await node.store(node.key("progress"), me, record.to_wire(), ttl=60.0)
+
+        async def later():
+            await asyncio.to_thread(moved.wait, 60)
+            record2 = ProgressRecord(me, 2, 0, 1.0, Role.TRAINER, fingerprint="2:cafe")
+            await node.store(node.key("progress"), me, record2.to_wire(), ttl=60.0)
+        tasks.append(asyncio.ensure_future(later()))
+
+    try:
+        model = make_model()
+        opt, sched = make_opt(model)
+        copt = CollaborativeOptimizer(opt, peer, OptimizerConfig(target_batch_size=8, delay_updates=True),
+                                      scheduler=sched, model=model)
+        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs)), other) as behind:
+            deadline = time.monotonic() + 20
+            while not any(r.peer_id == behind for r in peer.collaboration().peers):
+                assert time.monotonic() < deadline, "the other trainer's record never showed"
+                time.sleep(0.1)
+            copt.global_step, copt.applied_step = 2, 1  # round 1 failed for this peer: catching up on it
+            copt._catchup = _CatchUp(2, cf.Future(), time.monotonic())  # the download is under way
+            for _ in range(3):
+                model[0].weight.sum().backward()
+                assert copt.step(8) == StepOutcome.ACCUMULATED and copt._inflight is None, \
+                    "it took the step alone while catching up"
+            assert copt.acc.samples == 24 and copt._held_at == 2
+            moved.set()
+            deadline = time.monotonic() + 20
+            while copt._would_lead_alone(peer.collaboration()):
+                assert time.monotonic() < deadline, "it kept holding once the other trainer reached its step"
+                time.sleep(0.1)
+            copt._catchup = None
+            copt.close()
     finally:
         peer.close()

@@ -168,7 +168,7 @@ class CollaborativeOptimizer:
         """Fingerprints of the recent steps these parameters went through (travels with the state)."""
         self._closed = False
         self._held_at: int | None = None
-        """The step this client-mode peer holds its round at, waiting for a reachable trainer."""
+        """The step whose round this peer holds back, waiting for a reachable trainer (``_would_lead_alone``)."""
         view = self._report(busy=False)
         if view.global_step > self.global_step or self._disagrees(view):
             self._resync(view, "joining a collaboration at step %d" % view.global_step)
@@ -312,9 +312,9 @@ class CollaborativeOptimizer:
 
         If no peer has the state (the round failed for every member), the members agree that the
         step is lost: each skips it, parameters unchanged, once no live peer shows the update
-        applied, no training peer is still accumulating for that step (it may yet take it: e.g. the
-        others, whose round had not started when this peer's failed), and the round's stragglers
-        have had ``2 * matchmaking_time + FRESH_GRACE`` to publish it."""
+        applied, no training peer is still at that step (it may yet take it: e.g. the others, whose
+        round had not started when this peer's failed; this wait is bounded by ``state_timeout``), and
+        the round's stragglers have had ``2 * matchmaking_time + FRESH_GRACE`` to publish it."""
         catchup, self._catchup = self._catchup, None
         while True:
             try:
@@ -332,11 +332,12 @@ class CollaborativeOptimizer:
                     self._resync(view, f"catching up failed: {e}")
                     return False
                 held = any(p[0] >= catchup.min_step for r in view.peers
-                           if _serves(r) and (p := lineage.parse(r.fingerprint)))
+                           if r.role.serves and (p := lineage.parse(r.fingerprint)))
                 # a peer holds the step (asking again can succeed), may yet take it, or may not have
                 # published it yet; once none does, the step is lost for every peer alive
-                if held or self._may_still_take(view, lost) or \
-                        time.monotonic() - catchup.started < 2 * self.peer.averaging.matchmaking_time + FRESH_GRACE:
+                waited = time.monotonic() - catchup.started
+                if held or (self._may_still_take(view, lost) and waited < self.config.state_timeout) or \
+                        waited < 2 * self.peer.averaging.matchmaking_time + FRESH_GRACE:
                     if wait:
                         time.sleep(0.5)  # a member whose round succeeded may not have published it yet
                     catchup = _CatchUp(catchup.min_step, self.peer.download_state_async(
@@ -379,17 +380,27 @@ class CollaborativeOptimizer:
         return any(r.step == step and r.role.trains for r in view.peers if r.peer_id != me)
 
     def _would_lead_alone(self, view: CollaborationView) -> bool:
-        """A client-mode peer ahead of every reachable trainer holds back its round (keeping its
-        gradients) until one reaches its step: no one could download the steps it took alone, so they
-        would only fork off the collaboration (see ``CollaborationView.global_step``)."""
-        if self.peer.role != Role.CLIENT or view.global_step >= self.global_step or \
-                not any(r.role == Role.TRAINER for r in view.peers):
+        """Whether to hold back this step's round (keeping the gradients) because this peer would take
+        it ahead of every other reachable peer without being able to hand the result on:
+
+        - a client-mode peer accepts no streams, so no one could download the steps it took alone;
+        - a peer still catching up on the previous step holds no state to serve, and a round alone
+          would only put it further ahead while the others chase it (each peer waiting for the
+          other: a stall in the soak).
+
+        It holds until another reachable peer reaches its step (see ``CollaborationView.global_step``)."""
+        me = self.peer.peer_id
+        others = max((r.step for r in view.peers if r.role.serves and r.peer_id != me), default=None)
+        cannot_serve = self.peer.role == Role.CLIENT or self._catchup is not None
+        if not cannot_serve or others is None or others >= self.global_step or \
+                not any(r.role == Role.TRAINER for r in view.peers if r.peer_id != me):
             self._held_at = None
             return False
         if self._held_at != self.global_step:
             self._held_at = self.global_step
-            logger.info(f"step {self.global_step}: no reachable trainer has reached it yet (they are at step "
-                        f"{view.global_step}); a client-mode peer does not lead, so it keeps accumulating")
+            why = "a client-mode peer" if self.peer.role == Role.CLIENT else "a peer still catching up"
+            logger.info(f"step {self.global_step}: no other reachable trainer has reached it yet (they are at step "
+                        f"{others}); {why} does not lead, so it keeps accumulating")
         return True
 
     def _skip_lost_step(self, step: int) -> None:
@@ -550,7 +561,7 @@ class CollaborativeOptimizer:
         consensus = view.consensus_fingerprint(step)
         ranked: list[tuple[int, float, str]] = []
         for r in view.peers:
-            if r.peer_id == me or not _serves(r) or r.step < step:
+            if r.peer_id == me or not r.role.serves or r.step < step:
                 continue
             tier = 0 if r.role.trains and (consensus is None or r.fingerprint in ("", consensus)) else \
                 1 if r.role.trains else 2
@@ -696,11 +707,6 @@ class CollaborativeOptimizer:
     def _zero_grads(self) -> None:
         for p in self.params:
             p.grad = None
-
-
-def _serves(record: ProgressRecord) -> bool:
-    """Whether this peer can send its state: clients accept no streams; aggregator-only peers hold none."""
-    return record.role in (Role.TRAINER, Role.BACKBONE)
 
 
 def _lineage_of(state: dict[str, Any]) -> dict[int, str]:
