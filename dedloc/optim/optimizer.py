@@ -32,7 +32,11 @@ Guarantees:
   joins round s+1 with those gradients, and waits for the download before computing step s+2's.
   Only its contribution to step s is lost. A state of step s+2, arriving after it joined round
   s+1, already holds that round: the peer takes it as is. Anything newer means the collaboration
-  moved on without it: its gradients are dropped, as in a resync.
+  moved on without it: its gradients are dropped, as in a resync. While catching up it does not
+  take a step ahead of every other reachable trainer (it could not hand that step on); it holds
+  the round, gradients kept, until another one reaches its step.
+- *Only peers that can hand the state on lead* (``CollaborationView.global_step``): a client-mode
+  peer never takes a step that no reachable trainer has reached; it holds its round meanwhile.
 - The scheduler and the logs follow the global step.
 """
 
