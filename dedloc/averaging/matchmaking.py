@@ -287,6 +287,32 @@ class Matchmaker:
         return {"group": state.group.to_wire()} if state.group else {"missed": True}
 
     # ---- follower --------------------------------------------------------------------------------
+    async def _ask(self, step: int, leader: str, request: dict[str, Any], deadline: float) -> dict[str, Any] | None:
+        """Send ``request`` to ``leader`` and return its answer; None if the request could not be
+        delivered. A stream that broke after delivery raises ConnectionError/IncompleteReadError; any
+        other failure, or an answer that is not a dict, raises MatchmakingError."""
+        loop = asyncio.get_running_loop()
+        try:
+            _, reader, writer = await asyncio.wait_for(
+                self.node.p2p.call_binary_stream_handler(PeerID.from_base58(leader), self.proto),
+                max(0.1, deadline - loop.time()))
+        except Exception as e:
+            logger.info(f"step {step}: leader {leader} unreachable ({type(e).__name__}); trying the next")
+            return None
+        try:
+            await rpc.write_message(writer, request)
+            response = await asyncio.wait_for(rpc.read_message(reader), max(0.1, deadline - loop.time()))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            raise
+        except Exception as e:
+            raise MatchmakingError(f"step {step}: leader {leader} did not answer the join request: "
+                                   f"{type(e).__name__}: {e}") from None
+        finally:
+            writer.close()
+        if not isinstance(response, dict):
+            raise MatchmakingError(f"step {step}: leader {leader} sent a malformed answer")
+        return response
+
     async def _run_follow(self, step: int, me: Member, candidates: list[str], deadline: float,
                           gather: float, numel: int, timeout: float) -> Group:
         loop = asyncio.get_running_loop()
@@ -299,52 +325,37 @@ class Matchmaker:
         for _ in range(8):
             self._follow[step] = leader
             tried.add(leader)
-            passed_over = None
             try:
-                _, reader, writer = await asyncio.wait_for(
-                    self.node.p2p.call_binary_stream_handler(PeerID.from_base58(leader), self.proto),
-                    max(0.1, deadline - loop.time()))
-            except Exception as e:  # the request was never delivered: safe to try another leader
-                logger.info(f"step {step}: leader {leader} unreachable ({type(e).__name__}); trying the next")
-                passed_over = f"no reachable leader among {candidates}"
-            else:
-                try:
-                    await rpc.write_message(writer, request)
-                    response = await asyncio.wait_for(rpc.read_message(reader), max(0.1, deadline - loop.time()))
-                except (ConnectionError, asyncio.IncompleteReadError) as e:
-                    # The stream broke; the leader may or may not hold our join. Asking the same leader
-                    # again is safe: a join is idempotent there, and its group is final once sent.
-                    broken += 1
-                    if broken > 2 or loop.time() >= deadline:
-                        raise MatchmakingError(f"step {step}: leader {leader} did not answer the join request: "
-                                               f"{type(e).__name__}: {e}") from None
-                    logger.debug(f"step {step}: join stream to {leader} broke ({e!r}); asking again")
-                    continue
-                except Exception as e:
+                response = await self._ask(step, leader, request, deadline)
+            except (ConnectionError, asyncio.IncompleteReadError) as e:
+                # The stream broke; the leader may or may not hold our join. Asking the same leader
+                # again is safe: a join is idempotent there, and its group is final once sent.
+                broken += 1
+                if broken > 2 or loop.time() >= deadline:
                     raise MatchmakingError(f"step {step}: leader {leader} did not answer the join request: "
                                            f"{type(e).__name__}: {e}") from None
-                finally:
-                    writer.close()
-                if not isinstance(response, dict):
-                    raise MatchmakingError(f"step {step}: leader {leader} sent a malformed answer")
-                if "group" in response:
-                    group = Group.from_wire(response["group"])
-                    if group.step != step or group.index(self.me) is None:
-                        raise MatchmakingError(f"step {step}: leader {leader} sent a group without this peer")
-                    return group
-                if "redirect" in response and isinstance(response["redirect"], str):
-                    leader = response["redirect"]
-                    continue
-                if response.get("missed") and response.get("held") is False:
-                    logger.info(f"step {step}: the round led by {leader} closed with no member that can hand "
-                                f"its state on; forming another")
-                    passed_over = f"the round led by {leader} closed with no member that can hand its state on, " \
-                                  f"and no other reachable peer is ready to lead"
-                elif response.get("missed"):
-                    raise MissedRoundError(f"step {step}: the round led by {leader} was already closed; "
-                                           f"join the next step")
-                else:
-                    raise MatchmakingError(f"step {step}: leader {leader} refused: {response.get('error')}")
+                logger.debug(f"step {step}: join stream to {leader} broke ({e!r}); asking again")
+                continue
+            if response is None:  # the request was never delivered: safe to try another leader
+                passed_over = f"no reachable leader among {candidates}"
+            elif "group" in response:
+                group = Group.from_wire(response["group"])
+                if group.step != step or group.index(self.me) is None:
+                    raise MatchmakingError(f"step {step}: leader {leader} sent a group without this peer")
+                return group
+            elif "redirect" in response and isinstance(response["redirect"], str):
+                leader = response["redirect"]
+                continue
+            elif response.get("missed") and response.get("held") is False:
+                logger.info(f"step {step}: the round led by {leader} closed with no member that can hand "
+                            f"its state on; forming another")
+                passed_over = f"the round led by {leader} closed with no member that can hand its state on, " \
+                              f"and no other reachable peer is ready to lead"
+            elif response.get("missed"):
+                raise MissedRoundError(f"step {step}: the round led by {leader} was already closed; "
+                                       f"join the next step")
+            else:
+                raise MatchmakingError(f"step {step}: leader {leader} refused: {response.get('error')}")
             # this leader is passed over for the step (every peer that asks it is, alike): the next one leads
             self._unreachable.setdefault(step, set()).add(leader)
             rest = [c for c in candidates if c not in tried and c != self.me]
