@@ -35,8 +35,10 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def add_fields(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One ``--option`` per dataclass field, typed from its default, with the field's help."""
+def add_fields(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
+               defaults: dict[str, Any] | None = None) -> None:
+    """One ``--option`` per dataclass field, typed from its default (or from ``defaults``, a role's
+    own), with the field's help."""
     hints = typing.get_type_hints(cls)
     docs = _field_docs(cls)
     for f in dataclasses.fields(cls):
@@ -44,10 +46,11 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...]
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
+        default = (defaults or {}).get(f.name, default)
         help_text = f.metadata.get("help", docs.get(f.name, "")).replace("%", "%%") + (
             f" (default: {default})" if default not in (None, ()) else "")
         hint = hints[f.name]
-        if hint is bool:
+        if hint is bool or bool in typing.get_args(hint):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif isinstance(default, tuple):
             parser.add_argument(flag, nargs="*", default=list(default), help=help_text)
@@ -64,7 +67,7 @@ def from_args(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = ()) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dedloc.config import AveragingConfig, BackboneConfig, PeerConfig
+    from dedloc.config import ANY_HOST_MADDRS, PUBLIC_HOST_MADDRS, AveragingConfig, BackboneConfig, PeerConfig
     from dedloc.demo.collab import DemoConfig
 
     parser = argparse.ArgumentParser(prog="dedloc", description="Collaborative deep learning (DeDLOC).")
@@ -77,11 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--verbose", action="store_true", help="log every event at INFO")
     add_fields(demo, DemoConfig)
     backbone = sub.add_parser("backbone", help="run a CPU-only backbone peer: DHT, checkpoints, state for newcomers")
-    add_fields(backbone, PeerConfig, skip=("client_mode",))
+    add_fields(backbone, PeerConfig, skip=("client_mode",), defaults={"host_maddrs": PUBLIC_HOST_MADDRS})
     add_fields(backbone, BackboneConfig)
     aggregator = sub.add_parser("aggregator", help="run an aggregator-only peer: averages for the trainers, "
                                                    "trains nothing (BytePS-style help from a CPU box)")
-    add_fields(aggregator, PeerConfig, skip=("client_mode",))
+    add_fields(aggregator, PeerConfig, skip=("client_mode",), defaults={"host_maddrs": ANY_HOST_MADDRS})
     add_fields(aggregator, AveragingConfig, skip=("aggregator_only",))
     args = parser.parse_args(argv)
     from dedloc.logs import configure

@@ -14,6 +14,21 @@ from dedloc.errors import ConfigError
 COMPRESSIONS = ("none", "float16")
 STRATEGIES = ("partitioned", "ring")
 PLANNERS = ("lp", "equal", "bandwidth", "declared")
+REACHABILITY = ("auto", "public", "private")
+PUBLIC_PORT = 31337
+PUBLIC_HOST_MADDRS = (f"/ip4/0.0.0.0/tcp/{PUBLIC_PORT}", f"/ip4/0.0.0.0/udp/{PUBLIC_PORT}/quic-v1")
+"""Where real-run roles (backbone, aggregator) listen by default: every interface, TCP and QUIC on
+one port number (the one port a backbone operator opens, for TCP and UDP)."""
+
+
+LOOPBACK_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+ANY_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1")
+"""Every interface, TCP and QUIC, on ports the system picks."""
+
+
+def _is_loopback(maddr: str) -> bool:
+    parts = maddr.split("/")
+    return len(parts) > 2 and ((parts[1] == "ip4" and parts[2].startswith("127.")) or (parts[1] == "ip6" and parts[2] == "::1"))
 
 
 def _check(cond: bool, name: str, why: str) -> None:
@@ -29,24 +44,45 @@ class PeerConfig:
     """Collaboration name; peers with different run ids never interact."""
     initial_peers: tuple[str, ...] = ()
     """Multiaddrs of peers already in the collaboration (empty: start a new one)."""
-    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    """Where to listen. Use /ip4/0.0.0.0/tcp/PORT to accept peers from other machines."""
+    host_maddrs: tuple[str, ...] = ()
+    """Where to listen (empty: loopback when every initial peer is on this machine, as in the local
+    demo; else every interface over TCP and QUIC on a random port; see ``listen_maddrs``)."""
     announce_maddrs: tuple[str, ...] = ()
     """Public addresses to announce, if different from host_maddrs."""
     identity_path: str | None = None
     """File holding the private key; created if missing. Keeps the peer ID across restarts."""
     client_mode: bool = False
     """Accept no inbound connections: the peer dials out only and never aggregates."""
+    reachability: str = "auto"
+    """'auto': find out with a dial-back probe by the initial peers whether others can connect to
+    this peer; 'public' or 'private': declare it. A private peer is never a leader or an
+    aggregator; it keeps a slot on the run's relays and punches holes to other peers."""
+    relays: tuple[str, ...] = ()
+    """Multiaddrs of the run's relays, for a private peer (empty: the initial peers)."""
+    relay_service: bool | None = None
+    """Relay connections for the run's private peers (None: the role decides; backbones relay)."""
     startup_timeout: float = 60.0
     """Seconds to wait for the background process, the daemon and the DHT bootstrap."""
     progress_ttl: float = 30.0
     """Seconds a published progress record stays valid."""
     log_level: str = "INFO"
 
+    def listen_maddrs(self) -> tuple[str, ...]:
+        """``host_maddrs``, or the default chosen from where the initial peers are."""
+        if self.host_maddrs:
+            return tuple(self.host_maddrs)
+        if all(_is_loopback(a) for a in self.initial_peers):
+            return LOOPBACK_HOST_MADDRS
+        return ANY_HOST_MADDRS
+
     def validate(self) -> "PeerConfig":
+        _check(self.reachability in REACHABILITY, "reachability", f"must be one of {REACHABILITY}")
+        _check(not (self.relay_service and self.client_mode), "relay_service", "cannot be used in client mode")
+        _check(not (self.relay_service and self.reachability == "private"), "relay_service",
+               "needs a publicly reachable peer (reachability 'auto' or 'public')")
         _check(bool(self.run_id) and all(c.isalnum() or c in "-_" for c in self.run_id), "run_id",
                f"must be non-empty letters, digits, '-' or '_' (got {self.run_id!r})")
-        for addr in tuple(self.initial_peers) + tuple(self.host_maddrs) + tuple(self.announce_maddrs):
+        for addr in tuple(self.initial_peers) + tuple(self.host_maddrs) + tuple(self.announce_maddrs) + tuple(self.relays):
             _check(isinstance(addr, str) and addr.startswith("/"), "multiaddr", f"must start with '/' (got {addr!r})")
         _check(self.startup_timeout > 0, "startup_timeout", "must be > 0")
         _check(self.progress_ttl > 0, "progress_ttl", "must be > 0")

@@ -36,6 +36,10 @@ class Peer:
                                startup_timeout=self.config.startup_timeout, log_level=self.config.log_level)
         self.peer_id: str = self.runtime.info["peer_id"]
         self.maddrs: list[str] = self.runtime.info["maddrs"]
+        self.reachable: bool = self.runtime.info["reachable"]
+        """Others can connect to this peer directly (found by a dial-back probe, or declared)."""
+        self.reachability: str = self.runtime.info["reachability"]
+        """Why: who connected back to which address, or why nobody could."""
         self._buffers: dict[int, SharedBuffer] = {}
 
     @property
@@ -138,6 +142,11 @@ class Peer:
         and ``failed`` peers with reasons.
         """
         return self.runtime.call("probe", peers, timeout=timeout)
+
+    def connections(self) -> dict[str, dict[str, Any]]:
+        """Open connections: peer id -> ``{"direct": bool, "addrs": [...]}`` (``direct``: not only
+        through a relay, e.g. after hole punching)."""
+        return self.runtime.call("connections")
 
     def capabilities(self) -> dict[str, Any]:
         """Everyone's capability records as read now (``peers``: id -> record) and the last plan

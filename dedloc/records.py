@@ -166,22 +166,22 @@ class CapabilityRecord:
     pairs: dict[str, float] | None = None
     client: bool = False
     """Accepts no inbound connections (client mode): can never aggregate."""
-    relayed: bool = False
-    """Reachable only through a relay: counted as a client by the planner."""
+    private: bool = False
+    """Behind NAT (or in client mode): others have no direct path to it for sure, so it never aggregates."""
     aggregator_only: bool = False
     samples_per_second: float = 0.0
     time: float = 0.0
 
     def to_wire(self) -> dict[str, Any]:
         return {"u": self.upload, "d": self.download, "p": dict(self.pairs or {}), "c": self.client,
-                "r": self.relayed, "a": self.aggregator_only, "sps": self.samples_per_second, "t": self.time}
+                "r": self.private, "a": self.aggregator_only, "sps": self.samples_per_second, "t": self.time}
 
     @classmethod
     def from_wire(cls, peer_id: str, obj: Any) -> "CapabilityRecord | None":
         try:
             pairs = {str(k): float(v) for k, v in dict(obj.get("p", {})).items()}
             rec = cls(peer_id=peer_id, upload=float(obj["u"]), download=float(obj["d"]), pairs=pairs,
-                      client=bool(obj.get("c", False)), relayed=bool(obj.get("r", False)),
+                      client=bool(obj.get("c", False)), private=bool(obj.get("r", False)),
                       aggregator_only=bool(obj.get("a", False)), samples_per_second=float(obj.get("sps", 0.0)),
                       time=float(obj.get("t", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError):

@@ -28,7 +28,7 @@ DRAIN_TIMEOUT = 10.0
 class PeerService:
     PUBLIC = frozenset({"info", "publish_progress", "read_progress", "register_buffer", "average", "ping",
                         "closed_round", "report", "offer_state", "download_state", "leave", "probe",
-                        "capabilities", "reconfigure", "pending_numel"})
+                        "capabilities", "reconfigure", "pending_numel", "connections"})
 
     def __init__(self, node: Node, averager: Averager, states: StateServer, planner: Planner):
         self.node, self.averager, self.states, self.planner = node, averager, states, planner
@@ -50,13 +50,27 @@ class PeerService:
             await planner.close()
             await node.shutdown()
             raise
-        mode = "client mode" if peer_config.client_mode else "reachable"
+        how = node.reachability
+        mode = "client mode" if peer_config.client_mode else \
+            f"public: {how.how}" if how.public else f"private ({how.how}): reached through relays and hole punching"
         logger.info(f"joined run {peer_config.run_id!r} as {node.peer_id.to_base58()} ({mode})")
         return cls(node, averager, states, planner)
 
     async def info(self) -> dict[str, Any]:
         return {"peer_id": self.node.peer_id.to_base58(), "maddrs": await self.node.visible_maddrs(),
-                "client_mode": self.node.config.client_mode, "leftovers": self.node.socket_paths()}
+                "client_mode": self.node.config.client_mode,
+                "reachable": self.node.reachable, "reachability": self.node.reachability.how, "leftovers": self.node.socket_paths()}
+
+    async def connections(self) -> dict[str, dict[str, Any]]:
+        """This peer's open connections: peer id -> {"direct": any connection not through a relay,
+        "addrs": the remote address of each}."""
+        out: dict[str, dict[str, Any]] = {}
+        for info in await self.node.p2p.list_peers():
+            entry = out.setdefault(info.peer_id.to_base58(), {"direct": False, "addrs": []})
+            for addr in map(str, info.addrs):
+                entry["addrs"].append(addr)
+                entry["direct"] = entry["direct"] or "/p2p-circuit" not in addr
+        return out
 
     async def ping(self) -> float:
         return time.time()

@@ -30,6 +30,7 @@ from dedloc.averaging.wire import Header, Kind, read_header, read_payload_into, 
 from dedloc.config import AveragingConfig
 from dedloc.errors import AveragingError, ProtocolError
 from dedloc.net.node import Node
+from dedloc.net import rpc
 from dedloc.net.rpc import wait_peer_closed
 from dedloc.numerics import all_finite
 
@@ -79,9 +80,10 @@ class Averager:
         ``on_round(stats)`` is told what each round (or subround) sent and received, for bandwidth
         estimates."""
         self.node, self.config = node, config.validate()
-        if config.aggregator_only and node.config.client_mode:
-            raise AveragingError("an aggregator-only peer must accept connections (it cannot be in client mode)")
-        share = config.share if config.share is not None else (0.0 if node.config.client_mode else 1.0)
+        if config.aggregator_only and not node.reachable:
+            raise AveragingError("an aggregator-only peer must accept connections from every peer (it cannot be in "
+                                 f"client mode or behind NAT; here: {node.reachability.how})")
+        share = config.share if config.share is not None else (1.0 if node.reachable else 0.0)
         self.matchmaker = Matchmaker(node, config, share, policy)
         self.on_round = on_round
         self.pool = BufferPool()  # receive buffers and partial sums, reused across rounds
@@ -199,8 +201,7 @@ class Averager:
         """A stream to ``peer_id``; ConnectionError naming it if the daemon cannot reach it (a dead peer),
         so every round handles it as the broken connection it is."""
         try:
-            _, reader, writer = await self.node.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id),
-                                                                                self.proto)
+            reader, writer = await rpc.open_stream(self.node.p2p, PeerID.from_base58(peer_id), self.proto)
         except P2PDaemonError as e:
             raise ConnectionError(f"cannot reach {peer_id}: {type(e).__name__}: {e}") from None
         return reader, writer

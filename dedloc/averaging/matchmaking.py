@@ -87,7 +87,8 @@ class Matchmaker:
         self.me = node.peer_id.to_base58()
         self.incarnation = os.urandom(8).hex()
         """Tells this process from an earlier one under the same peer id (a restart)."""
-        self.client = node.config.client_mode
+        self.client = not node.reachable
+        """Client mode, or found behind NAT: never leads and never aggregates (others may have no path to it)."""
         self.proto = f"dedloc.{node.config.run_id}.join"
         self._lead: dict[int, _Lead] = {}
         self._follow: dict[int, str] = {}
@@ -293,8 +294,8 @@ class Matchmaker:
         other failure, or an answer that is not a dict, raises MatchmakingError."""
         loop = asyncio.get_running_loop()
         try:
-            _, reader, writer = await asyncio.wait_for(
-                self.node.p2p.call_binary_stream_handler(PeerID.from_base58(leader), self.proto),
+            reader, writer = await asyncio.wait_for(
+                rpc.open_stream(self.node.p2p, PeerID.from_base58(leader), self.proto),
                 max(0.1, deadline - loop.time()))
         except Exception as e:
             logger.info(f"step {step}: leader {leader} unreachable ({type(e).__name__}); trying the next")

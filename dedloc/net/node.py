@@ -3,6 +3,10 @@
 Lives inside the runtime process (see runtime.py). Guarantees:
 - the identity key persists in ``identity_path``, so a restarted peer keeps its peer ID;
 - in client mode the daemon listens on no address: the peer only dials out;
+- ``reachability`` is known before the DHT starts (dial-back probe, see reachability.py); a peer
+  found private joins the DHT as a client, keeps slots on the run's relays (``relays``, else the
+  initial peers) and punches holes to peers that reach it through them (DCUtR, QUIC preferred);
+- a ``relay_service`` peer relays for private peers with limits sized for bulk traffic;
 - an unreachable initial peer raises :class:`JoinError` naming the addresses, within the startup timeout;
 - ``shutdown()`` stops the DHT and terminates the daemon, removing its socket files; so does a
   failed ``create()``, even when the daemon exited on its own (hivemind then leaves its socket).
@@ -23,10 +27,17 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from dedloc.config import PeerConfig
 from dedloc.errors import JoinError
+from dedloc.net.reachability import DialbackServer, Reachability, probe, tcp_ports
 
 logger = logging.getLogger(__name__)
 _launching: contextvars.ContextVar[list[str]] = contextvars.ContextVar("dedloc_daemon_sockets")
 """While ``Node.create`` starts a daemon: where the daemon's socket goes (for clean-up on failure)."""
+_extra_args: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("dedloc_daemon_args")
+"""While ``Node.create`` starts a daemon: the p2pd flags hivemind's ``P2P.create`` does not pass."""
+RELAY_SERVICE_ARGS = ("-relayService=1", f"-relayDataLimit={1 << 40}", "-relayTimeLimit=24h",
+                      "-relayMaxCircuits=64", "-relayMaxReservations=1024", f"-relayBufferSize={4 << 20}")
+"""A run's relay: large enough for state downloads and averaging payloads where no direct path
+exists (1 TiB and 24 h per relayed connection, 64 circuits per peer, 4 MiB buffers)."""
 DHT_RPC_TIMEOUT = 3.0
 """Seconds a DHT request waits for one node (hivemind's default). A frozen peer (a stopped laptop)
 costs each reader and writer this per request that reaches it, until it is blacklisted."""
@@ -52,15 +63,44 @@ class _Daemon(P2P):
                 sockets.append(str(kwargs["listen"]["unix"]))
             except Exception:
                 pass
-        return P2P._make_process_args(*args, **kwargs) + ["-noise=0"]
+        return P2P._make_process_args(*args, **kwargs) + ["-noise=0", *_extra_args.get(())]
+
+
+def _one_address_each(maddrs: tuple[str, ...]) -> list[str]:
+    """One multiaddr per relay peer, QUIC where it has one: the daemon's static relays take one
+    address per entry, and two entries for the same peer left it with no reservation at all."""
+    chosen: dict[str, str] = {}
+    for addr in maddrs:
+        peer = Multiaddr(addr)["p2p"]
+        if peer not in chosen or ("/quic" in addr and "/quic" not in chosen[peer]):
+            chosen[peer] = addr
+    return list(chosen.values())
+
+
+async def _find_reachability(p2p: P2P, config: PeerConfig) -> Reachability:
+    """Declared (client mode, or ``reachability`` set), else probed by the initial peers (dial-back).
+    Every listening peer also answers others' dial-back requests from here on."""
+    if config.client_mode:
+        return Reachability(False, "client mode")
+    await DialbackServer(p2p, config.run_id).start()
+    if config.reachability != "auto":
+        return Reachability(config.reachability == "public", "declared in the config")
+    probers: list[PeerID] = []
+    for addr in config.initial_peers:
+        peer = PeerID.from_base58(Multiaddr(addr)["p2p"])
+        if peer not in probers and peer != p2p.peer_id:
+            probers.append(peer)
+    ports = tcp_ports(list(p2p._visible_maddrs or ()))  # the listen addresses, from the daemon's identify
+    return await probe(p2p, config.run_id, probers, ports)
 
 
 class Node:
     """One peer's P2P daemon and DHT node."""
 
-    def __init__(self, p2p: P2P, dht: DHTNode, config: PeerConfig):
+    def __init__(self, p2p: P2P, dht: DHTNode, config: PeerConfig, reachability: Reachability):
         self.p2p, self.dht, self.config = p2p, dht, config
         self.peer_id: PeerID = p2p.peer_id
+        self.reachability = reachability
 
     @classmethod
     async def create(cls, config: PeerConfig) -> "Node":
@@ -77,23 +117,42 @@ class Node:
                 raise JoinError(f"identity_path directory {parent} does not exist")
         p2p, sockets = None, []
         launching = _launching.set(sockets)
+        relays = _one_address_each(config.relays or config.initial_peers)
+        auto_relay = not config.client_mode and config.reachability != "public" and bool(relays)
+        _extra_args.set((RELAY_SERVICE_ARGS if config.relay_service else ("-relayService=0",)) +
+                        (("-relayDiscovery=0",) if auto_relay else ()))
+
+        # A relay is not forced public: then its large-limit relay service (started once AutoNAT finds
+        # it public) replaces the tiny default one that this daemon build also starts. No daemon is
+        # forced private: one forced so never punched a hole here (its relay slot came at once, but a
+        # direct path matters more than the 15-20 s its own AutoNAT takes to conclude the same).
+        declared = "public" if config.reachability == "public" and not config.relay_service else None
         try:
             p2p = await _Daemon.create(
                 initial_peers=list(config.initial_peers) or None,
-                host_maddrs=list(config.host_maddrs),
+                host_maddrs=list(config.listen_maddrs()),
                 announce_maddrs=list(config.announce_maddrs) or None,
                 identity_path=config.identity_path,
                 check_if_identity_free=False,
+                # the daemon's own DHT finds peers' addresses (a private one's circuits too): a server
+                # wherever the peer listens, so that lookups succeed on loopback (where AutoNAT never
+                # decides) and inside one NAT'd LAN alike
                 dht_mode="client" if config.client_mode else "server",
                 no_listen=config.client_mode,
+                auto_nat=True,  # serve AutoNAT to others, and punch holes (DCUtR)
+                use_relay=True,
+                use_auto_relay=auto_relay,
+                trusted_relays=relays if auto_relay else None,
+                force_reachability=declared,
                 startup_timeout=config.startup_timeout,
                 idle_timeout=0,
             )
+            reachability = await _find_reachability(p2p, config)
             dht = await asyncio.wait_for(
                 DHTNode.create(
                     p2p=p2p,
                     initial_peers=list(config.initial_peers),
-                    client_mode=config.client_mode,
+                    client_mode=not reachability.public,  # others cannot send it DHT requests
                     ensure_bootstrap_success=True,
                     bootstrap_timeout=min(10.0, config.startup_timeout),
                     wait_timeout=DHT_RPC_TIMEOUT,
@@ -118,7 +177,12 @@ class Node:
                             f"{type(e).__name__}: {e}") from None
         finally:
             _launching.reset(launching)
-        return cls(p2p, dht, config)
+        return cls(p2p, dht, config, reachability)
+
+    @property
+    def reachable(self) -> bool:
+        """Others can open connections to this peer directly: it may lead rounds and aggregate."""
+        return self.reachability.public
 
     def socket_paths(self) -> list[str]:
         """The daemon's and its client's Unix sockets. They outlive a process that is killed (the
@@ -135,7 +199,7 @@ class Node:
         if self.config.client_mode:
             return []
         try:
-            return [str(a) for a in await self.p2p.get_visible_maddrs()]
+            return [str(a) for a in await self.p2p.get_visible_maddrs(latest=True)]
         except ValueError:
             return []
 

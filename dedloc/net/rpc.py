@@ -65,11 +65,37 @@ async def reply_last(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     await wait_peer_closed(reader, timeout)
 
 
+PUNCH_WAIT = 3.0
+"""Longest a stream waits for a hole-punched direct connection when the only one is relayed."""
+_POLL = 0.1
+
+
+async def _relayed_only(p2p: P2P, peer_id: PeerID) -> bool:
+    conns = [str(a) for info in await p2p.list_peers() if info.peer_id == peer_id for a in info.addrs]
+    return bool(conns) and all("/p2p-circuit" in a for a in conns)
+
+
+async def open_stream(p2p: P2P, peer_id: PeerID, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A stream to ``peer_id`` under protocol ``name``: the one way every dedloc stream is opened.
+
+    When the only connection to the peer goes through a relay (it is behind NAT and was dialled
+    through its circuit address), this waits up to ``PUNCH_WAIT`` seconds for the direct connection
+    that hole punching (DCUtR) brings, so that the stream's bytes do not stay on the relay; if none
+    comes, the stream goes through the relay. Raises the daemon's error if the peer is unreachable."""
+    if await _relayed_only(p2p, peer_id):
+        loop = asyncio.get_running_loop()
+        until = loop.time() + PUNCH_WAIT
+        while loop.time() < until and await _relayed_only(p2p, peer_id):
+            await asyncio.sleep(_POLL)  # the daemon has no event for a new connection
+    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, name)
+    return reader, writer
+
+
 async def call(p2p: P2P, peer_id: PeerID, name: str, request: Any, timeout: float) -> Any:
     """Send one request and wait for one response; raises TimeoutError, ConnectionError or ProtocolError."""
 
     async def _call() -> Any:
-        _, reader, writer = await p2p.call_binary_stream_handler(peer_id, name)
+        reader, writer = await open_stream(p2p, peer_id, name)
         try:
             await write_message(writer, request)
             return await read_message(reader)
@@ -82,13 +108,16 @@ async def call(p2p: P2P, peer_id: PeerID, name: str, request: Any, timeout: floa
         raise ConnectionError(f"peer {peer_id} closed the stream on {name}") from None
 
 
-async def serve(p2p: P2P, name: str, handler: Handler) -> None:
-    """Register ``handler(remote_peer_id, request) -> response`` under protocol ``name``."""
+async def serve(p2p: P2P, name: str, handler: Handler, *, stream_info: bool = False) -> None:
+    """Register ``handler(remote_peer_id, request) -> response`` under protocol ``name``.
+
+    With ``stream_info``, the handler gets the stream's ``StreamInfo`` (the authenticated peer id
+    and the address its connection comes from) instead of the peer id."""
 
     async def _on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             request = await asyncio.wait_for(read_message(reader), 10.0)
-            response = await handler(info.peer_id, request)
+            response = await handler(info if stream_info else info.peer_id, request)
             await reply_last(reader, writer, response)
         except ProtocolError as e:
             logger.warning(f"rejected {name} request from {info.peer_id}: {e}")

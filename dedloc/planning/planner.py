@@ -50,8 +50,6 @@ class Planner:
         down = config.download_mbps * MBIT if config.download_mbps is not None else None
         self.links = LinkEstimates.create(up, down)
         self.samples_per_second = 0.0
-        self.relayed = False
-        """Reachable only through a relay (every announced address is a circuit): never an aggregator."""
         self.server = ProbeServer(node)
         self.snapshot: dict[str, CapabilityRecord] = {}
         self._snapshot_time = -1e9
@@ -62,8 +60,6 @@ class Planner:
         self._published: CapabilityRecord | None = None
 
     async def start(self) -> None:
-        maddrs = await self.node.visible_maddrs()
-        self.relayed = bool(maddrs) and all("/p2p-circuit" in a for a in maddrs)
         await self.server.start()
         self._tasks.append(asyncio.create_task(self._publish_loop()))
         if self.config.probe_interval > 0 and (self.config.upload_mbps is None or self.config.download_mbps is None):
@@ -78,7 +74,7 @@ class Planner:
     # ---- measurement ---------------------------------------------------------------------------
     def record(self) -> CapabilityRecord:
         return CapabilityRecord(self.me, self.links.upload.value(), self.links.download.value(),
-                                self.links.pair_values(), self.node.config.client_mode, self.relayed,
+                                self.links.pair_values(), self.node.config.client_mode, not self.node.reachable,
                                 self.config.aggregator_only, self.samples_per_second, time.time())
 
     def observe_round(self, stats: RoundStats) -> None:
@@ -197,7 +193,7 @@ class Planner:
                 m.peer_id, r.upload if r is not None and r.upload > 0 else fill_up,
                 r.download if r is not None and r.download > 0 else fill_down,
                 sends=m.weight > 0, receives=m.fetch,
-                can_aggregate=m.share > 0 and not m.client and not (r is not None and r.relayed),
+                can_aggregate=m.share > 0 and not m.client and not (r is not None and r.private),
                 samples_per_second=r.samples_per_second if r is not None else 0.0))
         index = {m.peer_id: i for i, m in enumerate(members)}
         pairs = {}

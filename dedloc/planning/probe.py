@@ -130,7 +130,7 @@ class ProbeServer:
 async def _one(node: Node, proto: str, peer: str, direction: str, n: int, trace: Trace,
                result: ProbeResult) -> float:
     """One probe stream; the seconds the receiving end timed."""
-    _, reader, writer = await node.p2p.call_binary_stream_handler(PeerID.from_base58(peer), proto)
+    reader, writer = await rpc.open_stream(node.p2p, PeerID.from_base58(peer), proto)
     try:
         await rpc.write_message(writer, {"v": VERSION, "dir": direction, "n": n})
         head = await rpc.read_message(reader)

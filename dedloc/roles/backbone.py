@@ -9,6 +9,7 @@ opaque blobs to it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -29,6 +30,8 @@ class Backbone:
         self.config = (config or BackboneConfig()).validate()
         if peer_config.client_mode:
             raise ConfigError("invalid config: a backbone peer cannot run in client mode (others must reach it)")
+        if peer_config.relay_service is None:
+            peer_config = dataclasses.replace(peer_config, relay_service=True)  # it relays for private peers
         self.store = CheckpointStore(self.config.checkpoint_dir, self.config.keep_checkpoints)
         self.step = -1
         self.peer = Peer(peer_config, averaging)

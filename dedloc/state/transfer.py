@@ -141,8 +141,8 @@ class StateServer:
 
     async def _download_from(self, donor: str, min_step: int, deadline: float) -> tuple[int, bytes]:
         header_by = min(deadline, time.monotonic() + HEADER_WAIT)
-        _, reader, writer = await asyncio.wait_for(
-            self.node.p2p.call_binary_stream_handler(PeerID.from_base58(donor), self.proto),
+        reader, writer = await asyncio.wait_for(
+            rpc.open_stream(self.node.p2p, PeerID.from_base58(donor), self.proto),
             max(0.1, header_by - time.monotonic()))
         try:
             await rpc.write_message(writer, {"v": VERSION, "min_step": min_step})

@@ -58,6 +58,18 @@ def exit_on_signals() -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def remove_namespaces(names: list[str]) -> None:
+    """Kill what runs in each namespace (newest first), then delete it; missing ones are skipped."""
+    for ns in reversed(names):
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 @dataclass(frozen=True)
 class Link:
     """A peer's caps in Mbit/s (None: uncapped)."""
@@ -124,14 +136,7 @@ class Network:
 
     def close(self) -> None:
         """Kill whatever still runs in the namespaces, then delete them (idempotent)."""
-        for ns in reversed(self._made):
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        remove_namespaces(self._made)
         self._made.clear()
 
     def __enter__(self) -> "Network":

@@ -1,7 +1,8 @@
 """One peer driven over stdin/stdout with JSON lines, for tests and benchmarks in network namespaces.
 
-Commands: start, probe, average, caps, reconfigure, close. Each answers one JSON line
-({"ok": ...} or {"error": "..."}). Used by tests/test_netem.py and bench/netem/run.py; not a user-facing tool.
+Commands: start, probe, average, caps, connections, maddrs, offer, download, reconfigure, close.
+Each answers one JSON line ({"ok": ...} or {"error": "..."}). Used by tests/test_netem.py,
+tests/test_nat.py and bench/netem/; not a user-facing tool.
 """
 
 import json
@@ -32,11 +33,23 @@ def main() -> None:
             op = cmd.pop("op")
             if op == "start":
                 peer = Peer(PeerConfig(**cmd["peer"]), AveragingConfig(**cmd["averaging"]))
-                answer = {"peer_id": peer.peer_id, "maddrs": peer.maddrs}
+                answer = {"peer_id": peer.peer_id, "maddrs": peer.maddrs, "reachable": peer.reachable,
+                          "reachability": peer.reachability}
             elif op == "probe":
                 answer = peer.probe(timeout=300)
             elif op == "caps":
                 answer = peer.capabilities()
+            elif op == "connections":
+                answer = peer.connections()
+            elif op == "maddrs":
+                answer = peer.runtime.call("info")["maddrs"]
+            elif op == "offer":
+                peer.offer_state(cmd["step"], vector(cmd["seed"], cmd["numel"]).numpy().tobytes())
+                answer = {}
+            elif op == "download":
+                step, blob, donor = peer.download_state(cmd["donors"], cmd["min_step"], cmd["within"])
+                answer = {"step": step, "donor": donor,
+                          "identical": blob == vector(cmd["seed"], cmd["numel"]).numpy().tobytes()}
             elif op == "reconfigure":
                 peer.reconfigure(**cmd["changes"])
                 answer = {}

@@ -1,0 +1,93 @@
+"""Peers behind NAT, in network namespaces: reachability found by dial-back, hole punching, the
+run's relay where punching fails, and NAT'd peers kept from leading and aggregating.
+
+One topology (dedloc.testing.nat) serves every check, to keep the suite short: on the public
+segment a relaying peer (the run's relay, as a backbone is) and three public trainers, which
+are also the observers libp2p needs before it trusts a NAT'd peer's public address (4); four
+default-config trainers, each behind its own home router: two ordinary routers, and two that
+give every flow a random public port (``--random-fully``), which hole punching cannot pass.
+Skipped (with the reason) where namespaces or iptables are unavailable.
+"""
+
+import subprocess
+import time
+
+import pytest
+
+from dedloc.testing.nat import Nat, NatNetwork, available
+from dedloc.testing.peer_driver import DrivenPeer, vector
+
+ok, why = available()
+pytestmark = pytest.mark.skipif(not ok, reason=why)
+NUMEL = 300_000
+AVERAGING = dict(matchmaking_time=3, averaging_timeout=60, probe_interval=0, planner="equal")
+NATS = [Nat(), Nat(), Nat(random_ports=True), Nat(random_ports=True)]
+
+
+def _public_only(maddrs):
+    return [a for a in maddrs if "/ip4/100.200." in a and "/p2p-circuit" not in a]
+
+
+def _start(net, tmp_path, run_id):
+    """Relay + 3 public trainers + the NAT'd trainers; returns (peers, start answer per peer)."""
+    peers = [DrivenPeer(net.exec_args(net.public(i)), i, str(tmp_path)) for i in range(4)] + \
+            [DrivenPeer(net.exec_args(net.private(j)), 4 + j, str(tmp_path)) for j in range(len(NATS))]
+    relay = peers[0].call(op="start", averaging=AVERAGING, peer=dict(
+        run_id=run_id, host_maddrs=["/ip4/0.0.0.0/tcp/31337", "/ip4/0.0.0.0/udp/31337/quic-v1"], relay_service=True))
+    relay_maddrs = _public_only(relay["maddrs"])
+    for p in peers[1:4]:
+        p.send(op="start", averaging=AVERAGING, peer=dict(run_id=run_id, initial_peers=relay_maddrs))
+    infos = [relay] + [p.receive(120) for p in peers[1:4]]
+    initial = relay_maddrs + [a for info in infos[1:] for a in _public_only(info["maddrs"])]
+    for p in peers[4:]:  # default config: nothing tells them they are behind NAT
+        p.send(op="start", averaging=AVERAGING, peer=dict(run_id=run_id, initial_peers=initial, relays=relay_maddrs))
+    infos += [p.receive(120) for p in peers[4:]]
+    for p in peers[4:]:  # reachable once it holds a slot on the relay (a circuit address): 15-20 s
+        deadline = time.monotonic() + 60
+        while not any("/p2p-circuit" in a for a in p.call(op="maddrs")):
+            assert time.monotonic() < deadline, f"peer {p.index} got no relay slot within 60 s"
+            time.sleep(0.5)
+    return peers, infos
+
+
+@pytest.mark.timeout(300)
+def test_nat_peers_found_private_punch_or_relay_and_never_aggregate(tmp_path):
+    net = NatNetwork(public=4, nats=NATS)
+    peers = []
+    try:
+        peers, infos = _start(net, tmp_path, "nattest")
+        ids = [i["peer_id"] for i in infos]
+        assert [i["reachable"] for i in infos] == [True] * 4 + [False] * len(NATS), [i["reachability"] for i in infos]
+
+        # a NAT'd newcomer gets the state from a NAT'd peer, its only donor: behind ordinary routers
+        # over a punched direct connection, behind --random-fully ones through the run's relay
+        for donor, newcomer, direct in ((4, 5, True), (6, 7, False)):
+            peers[donor].call(op="offer", step=7, seed=donor, numel=NUMEL)
+            got = peers[newcomer].call(op="download", donors=[ids[donor]], min_step=7, within=60, seed=donor,
+                                       numel=NUMEL)
+            assert got == {"step": 7, "donor": ids[donor], "identical": True}
+            path = peers[newcomer].call(op="connections")[ids[donor]]
+            assert path["direct"] == direct, path
+            if not direct:
+                assert all("/p2p-circuit" in a for a in path["addrs"]), path
+
+        # a round of two public trainers and the four NAT'd ones: the exact weighted mean on every
+        # member, led and aggregated by public peers only (a NAT'd member's share is 0)
+        members = [peers[1], peers[2]] + peers[4:]
+        weights = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+        ref = sum(w * vector(100 + p.index, NUMEL) for p, w in zip(members, weights)) / sum(weights)
+        for p, w in zip(members, weights):
+            p.send(op="average", seed=100 + p.index, numel=NUMEL, step=1, weight=w, expected=len(members))
+        answers = [p.receive(120) for p in members]
+        assert len({(tuple(a["head"]), a["checksum"]) for a in answers}) == 1, "members disagree"
+        assert answers[0]["head"] == pytest.approx(ref[:4].tolist(), abs=1e-5)
+        assert answers[0]["checksum"] == pytest.approx(float(ref.double().sum()), abs=1e-2)
+        assert answers[0]["group_size"] == len(members)
+        shares = dict(zip(answers[0]["peers"], answers[0]["shares"]))
+        assert all(shares[ids[i]] == 0 for i in range(4, 4 + len(NATS))), shares
+        assert shares[ids[1]] > 0 and shares[ids[2]] > 0, shares
+    finally:
+        for p in peers:
+            p.close()
+        net.close()
+        assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(net.prefix) == 0
