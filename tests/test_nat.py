@@ -10,12 +10,11 @@ Skipped (with the reason) where namespaces or iptables are unavailable.
 """
 
 import subprocess
-import time
 
 import pytest
 
-from dedloc.testing.nat import Nat, NatNetwork, available
-from dedloc.testing.peer_driver import DrivenPeer, vector
+from dedloc.testing.nat import Nat, NatNetwork, available, start_run
+from dedloc.testing.peer_driver import vector
 
 ok, why = available()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
@@ -24,38 +23,12 @@ AVERAGING = dict(matchmaking_time=3, averaging_timeout=60, probe_interval=0, pla
 NATS = [Nat(), Nat(), Nat(random_ports=True), Nat(random_ports=True)]
 
 
-def _public_only(maddrs):
-    return [a for a in maddrs if "/ip4/100.200." in a and "/p2p-circuit" not in a]
-
-
-def _start(net, tmp_path, run_id):
-    """Relay + 3 public trainers + the NAT'd trainers; returns (peers, start answer per peer)."""
-    peers = [DrivenPeer(net.exec_args(net.public(i)), i, str(tmp_path)) for i in range(4)] + \
-            [DrivenPeer(net.exec_args(net.private(j)), 4 + j, str(tmp_path)) for j in range(len(NATS))]
-    relay = peers[0].call(op="start", averaging=AVERAGING, peer=dict(
-        run_id=run_id, host_maddrs=["/ip4/0.0.0.0/tcp/31337", "/ip4/0.0.0.0/udp/31337/quic-v1"], relay_service=True))
-    relay_maddrs = _public_only(relay["maddrs"])
-    for p in peers[1:4]:
-        p.send(op="start", averaging=AVERAGING, peer=dict(run_id=run_id, initial_peers=relay_maddrs))
-    infos = [relay] + [p.receive(120) for p in peers[1:4]]
-    initial = relay_maddrs + [a for info in infos[1:] for a in _public_only(info["maddrs"])]
-    for p in peers[4:]:  # default config: nothing tells them they are behind NAT
-        p.send(op="start", averaging=AVERAGING, peer=dict(run_id=run_id, initial_peers=initial, relays=relay_maddrs))
-    infos += [p.receive(120) for p in peers[4:]]
-    for p in peers[4:]:  # reachable once it holds a slot on the relay (a circuit address): 15-20 s
-        deadline = time.monotonic() + 60
-        while not any("/p2p-circuit" in a for a in p.call(op="maddrs")):
-            assert time.monotonic() < deadline, f"peer {p.index} got no relay slot within 60 s"
-            time.sleep(0.5)
-    return peers, infos
-
-
 @pytest.mark.timeout(300)
 def test_nat_peers_found_private_punch_or_relay_and_never_aggregate(tmp_path):
     net = NatNetwork(public=4, nats=NATS)
     peers = []
     try:
-        peers, infos = _start(net, tmp_path, "nattest")
+        peers, infos = start_run(net, str(tmp_path), "nattest", AVERAGING)
         ids = [i["peer_id"] for i in infos]
         assert [i["reachable"] for i in infos] == [True] * 4 + [False] * len(NATS), [i["reachability"] for i in infos]
 

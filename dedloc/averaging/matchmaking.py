@@ -361,6 +361,11 @@ class Matchmaker:
             self._unreachable.setdefault(step, set()).add(leader)
             rest = [c for c in candidates if c not in tried and c != self.me]
             if not rest or rest[0] > self.me:
+                # Every leader tried for this step was unreachable or sent us on to one that is (a
+                # follower redirects to its own leader): stepping down for any of them again would
+                # loop (lead, step down, be redirected to the unreachable one, lead...) until the
+                # recursion limit. Each pass marks at least one more peer, so this ends.
+                self._unreachable[step].update(tried)
                 if not self.client:
                     # close while the others, who gave up on the same leader, still wait for an answer
                     t = self.config.matchmaking_time

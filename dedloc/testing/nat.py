@@ -21,6 +21,7 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from dedloc.config import PUBLIC_HOST_MADDRS
 from dedloc.testing import netem
 from dedloc.testing.netem import _run
 
@@ -150,4 +151,47 @@ class NatNetwork:
         self.close()
 
 
-__all__ = ["Nat", "NatNetwork", "available", "PUBLIC_NET"]
+def public_maddrs(maddrs: list[str]) -> list[str]:
+    """The addresses among ``maddrs`` on the public segment, not through a relay."""
+    return [a for a in maddrs if f"/ip4/{PUBLIC_NET}." in a and "/p2p-circuit" not in a]
+
+
+def start_run(net: NatNetwork, logdir: str, run_id: str, averaging: dict, *, observers: int = 3,
+              nat_listen: list[str] | None = None, slot_timeout: float = 60.0):
+    """Driven peers for a run on ``net``: a relaying peer in ``public(0)`` (as a backbone relays),
+    ``observers`` public trainers (libp2p trusts a NAT'd peer's public address once 4 peers saw it),
+    and one default-config trainer per NAT'd host (listening on ``nat_listen`` if given). Returns
+    (peers, start answers) once every NAT'd peer holds a slot on the relay (AssertionError after
+    ``slot_timeout`` seconds). The caller closes the peers."""
+    import time
+
+    from dedloc.testing.peer_driver import DrivenPeer
+
+    peers = [DrivenPeer(net.exec_args(net.public(i)), i, logdir) for i in range(1 + observers)] + \
+            [DrivenPeer(net.exec_args(net.private(j)), 1 + observers + j, logdir) for j in range(len(net.nats))]
+    try:
+        relay = peers[0].call(op="start", averaging=averaging, peer=dict(
+            run_id=run_id, host_maddrs=list(PUBLIC_HOST_MADDRS), relay_service=True))
+        relay_maddrs = public_maddrs(relay["maddrs"])
+        for p in peers[1:1 + observers]:
+            p.send(op="start", averaging=averaging, peer=dict(run_id=run_id, initial_peers=relay_maddrs))
+        infos = [relay] + [p.receive(120) for p in peers[1:1 + observers]]
+        initial = relay_maddrs + [a for info in infos[1:] for a in public_maddrs(info["maddrs"])]
+        extra = {"host_maddrs": nat_listen} if nat_listen else {}
+        for p in peers[1 + observers:]:  # default config: nothing tells them they are behind NAT
+            p.send(op="start", averaging=averaging,
+                   peer=dict(run_id=run_id, initial_peers=initial, relays=relay_maddrs, **extra))
+        infos += [p.receive(120) for p in peers[1 + observers:]]
+        for p in peers[1 + observers:]:  # reachable once it holds a relay slot (a circuit address)
+            deadline = time.monotonic() + slot_timeout
+            while not any("/p2p-circuit" in a for a in p.call(op="maddrs")):
+                assert time.monotonic() < deadline, f"peer {p.index} got no relay slot within {slot_timeout:.0f} s"
+                time.sleep(0.5)  # the daemon announces no event for a new address
+    except BaseException:
+        for p in peers:
+            p.close()
+        raise
+    return peers, infos
+
+
+__all__ = ["Nat", "NatNetwork", "available", "PUBLIC_NET", "public_maddrs", "start_run"]

@@ -36,7 +36,7 @@ def main() -> None:
                 answer = {"peer_id": peer.peer_id, "maddrs": peer.maddrs, "reachable": peer.reachable,
                           "reachability": peer.reachability}
             elif op == "probe":
-                answer = peer.probe(timeout=300)
+                answer = peer.probe(cmd.get("peers"), timeout=300)
             elif op == "caps":
                 answer = peer.capabilities()
             elif op == "connections":
