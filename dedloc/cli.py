@@ -67,7 +67,7 @@ def from_args(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = ()) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dedloc.config import ANY_HOST_MADDRS, PUBLIC_HOST_MADDRS, AveragingConfig, BackboneConfig, PeerConfig
+    from dedloc.config import PUBLIC_HOST_MADDRS, AveragingConfig, BackboneConfig, PeerConfig
     from dedloc.demo.collab import DemoConfig
 
     parser = argparse.ArgumentParser(prog="dedloc", description="Collaborative deep learning (DeDLOC).")
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     add_fields(backbone, BackboneConfig)
     aggregator = sub.add_parser("aggregator", help="run an aggregator-only peer: averages for the trainers, "
                                                    "trains nothing (BytePS-style help from a CPU box)")
-    add_fields(aggregator, PeerConfig, skip=("client_mode",), defaults={"host_maddrs": ANY_HOST_MADDRS})
+    add_fields(aggregator, PeerConfig, skip=("client_mode",))
     add_fields(aggregator, AveragingConfig, skip=("aggregator_only",))
     args = parser.parse_args(argv)
     from dedloc.logs import configure

@@ -40,6 +40,9 @@ from dedloc.net.node import Node
 logger = logging.getLogger(__name__)
 POLL = 0.05
 KEEP_STEPS = 64
+MAX_STEP_DOWNS = 3
+"""Times a leader steps down for the same smaller peer in one step (a transient redirect resolves
+in one or two; a peer that follows a leader this one cannot reach never does)."""
 
 
 @dataclass
@@ -93,6 +96,8 @@ class Matchmaker:
         self._lead: dict[int, _Lead] = {}
         self._follow: dict[int, str] = {}
         self._decided: dict[int, asyncio.Event] = {}
+        self._stepped_down: dict[int, dict[str, int]] = {}
+        """Per step, how often this peer stepped down for each peer (at most MAX_STEP_DOWNS: ``_run_lead``)."""
         self._unreachable: dict[int, set[str]] = {}
         """Per step, leaders this peer could not reach: never stepped down for again (stepping down
         and failing to reach them would loop until the deadline)."""
@@ -109,6 +114,7 @@ class Matchmaker:
                 self._lead.pop(old, None)
                 self._follow.pop(old, None)
                 self._unreachable.pop(old, None)
+                self._stepped_down.pop(old, None)
         return self._decided[step]
 
     # ---- DHT views -----------------------------------------------------------------------------
@@ -203,7 +209,17 @@ class Matchmaker:
             ready = await self._ready(step, me)
             unreachable = self._unreachable.get(step, set())
             smaller = sorted(p for p, m in ready.items() if not m.client and p < self.me and p not in unreachable)
+            downs = self._stepped_down.setdefault(step, {})
+            if smaller and downs.get(smaller[0], 0) >= MAX_STEP_DOWNS:
+                # Each time we stepped down for it, it sent our join on to a leader this peer cannot
+                # reach (its own follow target). Stepping down again would loop (lead, step down, be
+                # redirected to the unreachable one, lead...) until the recursion limit.
+                logger.info(f"step {step}: {smaller[0]} keeps following a leader this peer cannot reach; "
+                            f"leading instead")
+                self._unreachable.setdefault(step, set()).add(smaller[0])
+                continue
             if smaller:
+                downs[smaller[0]] = downs.get(smaller[0], 0) + 1
                 state.redirect = smaller[0]
                 state.done.set()
                 logger.info(f"step {step}: stepping down as leader for {smaller[0]}")
@@ -361,11 +377,6 @@ class Matchmaker:
             self._unreachable.setdefault(step, set()).add(leader)
             rest = [c for c in candidates if c not in tried and c != self.me]
             if not rest or rest[0] > self.me:
-                # Every leader tried for this step was unreachable or sent us on to one that is (a
-                # follower redirects to its own leader): stepping down for any of them again would
-                # loop (lead, step down, be redirected to the unreachable one, lead...) until the
-                # recursion limit. Each pass marks at least one more peer, so this ends.
-                self._unreachable[step].update(tried)
                 if not self.client:
                     # close while the others, who gave up on the same leader, still wait for an answer
                     t = self.config.matchmaking_time

@@ -27,7 +27,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from dedloc.config import PeerConfig
 from dedloc.errors import JoinError
-from dedloc.net.reachability import DialbackServer, Reachability, probe, tcp_ports
+from dedloc.net.reachability import DialbackServer, Reachability, probe
 
 logger = logging.getLogger(__name__)
 _launching: contextvars.ContextVar[list[str]] = contextvars.ContextVar("dedloc_daemon_sockets")
@@ -90,8 +90,8 @@ async def _find_reachability(p2p: P2P, config: PeerConfig) -> Reachability:
         peer = PeerID.from_base58(Multiaddr(addr)["p2p"])
         if peer not in probers and peer != p2p.peer_id:
             probers.append(peer)
-    ports = tcp_ports(list(p2p._visible_maddrs or ()))  # the listen addresses, from the daemon's identify
-    return await probe(p2p, config.run_id, probers, ports)
+    listen = list(p2p._visible_maddrs or ())  # the listen addresses, from the daemon's identify at start
+    return await probe(p2p, config.run_id, probers, listen)
 
 
 class Node:

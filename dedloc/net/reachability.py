@@ -7,8 +7,9 @@ address as the internet sees it), on the TCP ports the peer says it listens on (
 asker's own address, on a few ports: it is no tool for scanning or reflecting traffic at others.
 
 Verdict: **public** if any prober reached a port, **private** if the probers that answered reached
-none (a home router drops the unsolicited connection), also private, with the reason, if no prober
-answered. A peer with no initial peers starts the run and is public. The probe runs once at start;
+none (a home router drops the unsolicited connection). If no prober answered, the peer's own
+addresses decide (public if one is a global address). A peer with no initial peers starts the run,
+and one that listens on loopback only is in a local run: both are public. The probe runs once at start;
 it takes at most about ``DIAL_TIMEOUT`` plus one request's round trip per prober, run in parallel.
 """
 
@@ -103,10 +104,23 @@ class DialbackServer:
         return True
 
 
-async def probe(p2p: P2P, run_id: str, probers: list[PeerID], ports: list[int]) -> Reachability:
-    """Ask up to ``PROBERS`` of ``probers`` to dial this peer back on ``ports``; never raises."""
+def _ips(maddrs: list[Multiaddr]) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    out = []
+    for addr in maddrs:
+        ip = observed_ip(addr)
+        if ip is not None:
+            out.append(ipaddress.ip_address(ip))
+    return out
+
+
+async def probe(p2p: P2P, run_id: str, probers: list[PeerID], listen: list[Multiaddr]) -> Reachability:
+    """Ask up to ``PROBERS`` of ``probers`` to dial this peer back on the TCP ports of ``listen``
+    (its listen addresses); never raises."""
+    ips, ports = _ips(listen), tcp_ports(listen)
     if not probers:
         return Reachability(True, "no initial peer to ask: this peer starts the run")
+    if ips and all(ip.is_loopback for ip in ips):  # a local run: only peers on this machine take part
+        return Reachability(True, "listens on loopback only: reachable by the peers on this machine")
     if not ports:
         return Reachability(False, "listens on no TCP address, so no prober can dial it back")
     proto = f"dedloc.{run_id}.dialback"
@@ -129,8 +143,10 @@ async def probe(p2p: P2P, run_id: str, probers: list[PeerID], ports: list[int]) 
         reached = [p for p in answer.get("reached", []) if p in ports] if isinstance(answer.get("reached"), list) else []
         if ip is not None and reached:
             return Reachability(True, f"{peer.to_base58()[-8:]} connected back to {ip}:{reached[0]}", ip)
-    if observed is None:
-        return Reachability(False, f"no prober answered ({', '.join(failures)})")
+    if observed is None:  # nobody could tell: judge by its own addresses
+        public = any(ip.is_global for ip in ips)
+        return Reachability(public, f"no prober answered ({', '.join(failures)}); it listens on "
+                                    f"{'a public' if public else 'no public'} address")
     return Reachability(False, f"{len(asked) - len(failures)} peer(s) could not connect back to {observed} on TCP "
                                f"port(s) {ports}", observed)
 
