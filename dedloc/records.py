@@ -150,6 +150,7 @@ class CollaborationView:
 
 
 MAX_PAIRS = 64
+MAX_DIRECT = 256
 
 
 @dataclass(frozen=True)
@@ -167,21 +168,26 @@ class CapabilityRecord:
     client: bool = False
     """Accepts no inbound connections (client mode): can never aggregate."""
     private: bool = False
-    """Behind NAT (or in client mode): others have no direct path to it for sure, so it never aggregates."""
+    """Behind NAT (or in client mode): it aggregates only for members listed in ``direct``."""
+    direct: tuple[str, ...] = ()
+    """A private peer's peers with a direct (not relayed, e.g. punched) connection to it."""
     aggregator_only: bool = False
     samples_per_second: float = 0.0
     time: float = 0.0
 
     def to_wire(self) -> dict[str, Any]:
         return {"u": self.upload, "d": self.download, "p": dict(self.pairs or {}), "c": self.client,
-                "r": self.private, "a": self.aggregator_only, "sps": self.samples_per_second, "t": self.time}
+                "r": self.private, "x": list(self.direct), "a": self.aggregator_only, "sps": self.samples_per_second, "t": self.time}
 
     @classmethod
     def from_wire(cls, peer_id: str, obj: Any) -> "CapabilityRecord | None":
         try:
             pairs = {str(k): float(v) for k, v in dict(obj.get("p", {})).items()}
+            direct = obj.get("x", [])
+            if not isinstance(direct, list) or len(direct) > MAX_DIRECT or not all(isinstance(d, str) for d in direct):
+                raise ValueError(f"direct peers must be a list of at most {MAX_DIRECT} peer ids")
             rec = cls(peer_id=peer_id, upload=float(obj["u"]), download=float(obj["d"]), pairs=pairs,
-                      client=bool(obj.get("c", False)), private=bool(obj.get("r", False)),
+                      client=bool(obj.get("c", False)), private=bool(obj.get("r", False)), direct=tuple(direct),
                       aggregator_only=bool(obj.get("a", False)), samples_per_second=float(obj.get("sps", 0.0)),
                       time=float(obj.get("t", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError):

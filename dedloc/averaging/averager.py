@@ -83,7 +83,7 @@ class Averager:
         if config.aggregator_only and not node.reachable:
             raise AveragingError("an aggregator-only peer must accept connections from every peer (it cannot be in "
                                  f"client mode or behind NAT; here: {node.reachability.how})")
-        share = config.share if config.share is not None else (1.0 if node.reachable else 0.0)
+        share = config.share if config.share is not None else (0.0 if node.config.client_mode else 1.0)
         self.matchmaker = Matchmaker(node, config, share, policy)
         self.on_round = on_round
         self.pool = BufferPool()  # receive buffers and partial sums, reused across rounds

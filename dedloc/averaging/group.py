@@ -32,6 +32,15 @@ class Member:
     client: bool = False
     fetch: bool = True
     """Needs the averaged result (False for an aggregator-only peer)."""
+    private: bool = False
+    """Behind NAT (found by dial-back): never leads, represents a subgroup or sits where a ring
+    neighbour must dial it; aggregates only where the leader's planner saw it publish a direct
+    (punched) path to every other member."""
+
+    @property
+    def reachable(self) -> bool:
+        """Every member can open a stream to it (not in client mode, not behind NAT)."""
+        return not self.client and not self.private
 
 
 def sub_round_id(round_id: bytes, tag: str) -> bytes:
@@ -126,7 +135,7 @@ class Group:
         return {
             "round_id": self.round_id,
             "step": self.step,
-            "members": [[m.peer_id, m.weight, m.share, m.client, m.fetch] for m in self.members],
+            "members": [[m.peer_id, m.weight, m.share, m.client, m.fetch, m.private] for m in self.members],
             "subgroups": [list(s) for s in self.subgroups],
             "strategy": self.strategy,
             "compression": self.compression,
@@ -136,7 +145,8 @@ class Group:
     @classmethod
     def from_wire(cls, obj: Any) -> "Group":
         try:
-            members = tuple(Member(str(p), float(w), float(s), bool(c), bool(f)) for p, w, s, c, f in obj["members"])
+            members = tuple(Member(str(p), float(w), float(s), bool(c), bool(f), bool(x))
+                            for p, w, s, c, f, x in obj["members"])
             subgroups = tuple(tuple(int(i) for i in s) for s in obj["subgroups"])
             strategy, compression = str(obj["strategy"]), str(obj["compression"])
             if strategy not in STRATEGIES or compression not in COMPRESSIONS:
@@ -161,7 +171,7 @@ class Group:
 
 def _can_represent(m: Member) -> bool:
     """Reachable and takes the result (the share may be 0 after planning: it is still dialable)."""
-    return not m.client and m.fetch
+    return m.reachable and m.fetch
 
 
 def split_into_subgroups(members: tuple[Member, ...], max_size: int) -> tuple[tuple[int, ...], ...]:

@@ -1,9 +1,10 @@
 """Matchmaking: peers ready for step ``s`` agree on one member list within a deadline.
 
 Protocol (docs/averaging.md has the reasoning):
-1. A ready peer stores ``{run}.ready.{s}[peer_id] = {w, s, c}`` in the DHT (weight, share, client).
+1. A ready peer stores ``{run}.ready.{s}[peer_id] = {w, s, c, f, p}`` in the DHT (weight, share,
+   client, fetches the result, private: behind NAT).
 2. It waits until the expected number of peers are ready, or ``matchmaking_time`` passes.
-3. The leader is the smallest peer id among the ready, reachable (non-client) peers. Others send
+3. The leader is the smallest peer id among the ready, reachable (neither client nor NAT'd) peers. Others send
    it a ``join`` request over a stream; the leader answers all of them with the same Group when
    it closes the round, and publishes ``{run}.closed.{s}[leader]`` with the member list. The
    shares in that Group come from the leader's planner, so every member follows one plan.
@@ -73,12 +74,13 @@ SharePolicy = Callable[[tuple[Member, ...], int], Awaitable[tuple[float, ...]]]
 def _parse_entry(peer_id: str, value: Any) -> Member | None:
     try:
         w, s, c, f = float(value["w"]), float(value["s"]), bool(value["c"]), bool(value.get("f", True))
+        p = bool(value.get("p", False))
     except (KeyError, TypeError, ValueError, AttributeError):
         logger.debug(f"ignoring malformed ready record of {peer_id}")
         return None
-    if not (math.isfinite(w) and math.isfinite(s) and w >= 0 and s >= 0) or (not f and (w > 0 or c)):
+    if not (math.isfinite(w) and math.isfinite(s) and w >= 0 and s >= 0) or (not f and (w > 0 or c or p)):
         return None  # an aggregator-only peer contributes nothing and must be reachable
-    return Member(peer_id, w, 0.0 if c else s, c, f)
+    return Member(peer_id, w, 0.0 if c else s, c, f, p)
 
 
 class Matchmaker:
@@ -90,8 +92,9 @@ class Matchmaker:
         self.me = node.peer_id.to_base58()
         self.incarnation = os.urandom(8).hex()
         """Tells this process from an earlier one under the same peer id (a restart)."""
-        self.client = not node.reachable
-        """Client mode, or found behind NAT: never leads and never aggregates (others may have no path to it)."""
+        self.client = node.config.client_mode
+        self.private = not node.reachable and not self.client
+        """Found behind NAT: never leads; aggregates only where a planner saw it reach every member directly."""
         self.proto = f"dedloc.{node.config.run_id}.join"
         self._lead: dict[int, _Lead] = {}
         self._follow: dict[int, str] = {}
@@ -103,7 +106,7 @@ class Matchmaker:
         and failing to reach them would loop until the deadline)."""
 
     async def start(self) -> None:
-        if not self.client:
+        if self.node.reachable:  # only a reachable peer ever leads
             await rpc.serve(self.node.p2p, self.proto, self._on_join)
 
     def _decision(self, step: int) -> asyncio.Event:
@@ -164,11 +167,12 @@ class Matchmaker:
         t = self.config.matchmaking_time
         gather = t if gather_time is None else max(0.0, gather_time)
         gather_deadline = loop.time() + gather
-        me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client, self.fetch)
+        me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client, self.fetch, self.private)
         started, ready_ttl = loop.time(), 3 * t + gather + self.config.averaging_timeout
         _, closed_by = await asyncio.gather(
             self.node.store(self.node.key("ready", step), self.me,
-                            {"w": me.weight, "s": me.share, "c": me.client, "f": me.fetch, "n": int(numel)},
+                            {"w": me.weight, "s": me.share, "c": me.client, "f": me.fetch, "p": me.private,
+                             "n": int(numel)},
                             ttl=ready_ttl),
             self._closed_without_me(step))
         if closed_by:  # a late peer learns it at once instead of after the gather window
@@ -181,9 +185,9 @@ class Matchmaker:
         closed_by = await self._closed_without_me(step)
         if closed_by:
             self._missed(step, closed_by)
-        candidates = sorted(p for p, m in ready.items() if not m.client)
+        candidates = sorted(p for p, m in ready.items() if m.reachable)
         if not candidates:
-            raise MatchmakingError(f"step {step}: no reachable (non-client) peer is ready to aggregate")
+            raise MatchmakingError(f"step {step}: no reachable peer (neither in client mode nor behind NAT) is ready to lead")
         timeout = timeout or self.config.averaging_timeout
         if candidates[0] == self.me:
             group = await self._run_lead(step, me, expected_peers, loop.time() + t, numel, timeout)
@@ -208,7 +212,7 @@ class Matchmaker:
         while loop.time() < close_deadline:
             ready = await self._ready(step, me)
             unreachable = self._unreachable.get(step, set())
-            smaller = sorted(p for p, m in ready.items() if not m.client and p < self.me and p not in unreachable)
+            smaller = sorted(p for p, m in ready.items() if m.reachable and p < self.me and p not in unreachable)
             downs = self._stepped_down.setdefault(step, {})
             if smaller and downs.get(smaller[0], 0) >= MAX_STEP_DOWNS:
                 # Each time we stepped down for it, it sent our join on to a leader this peer cannot
@@ -232,6 +236,8 @@ class Matchmaker:
         subgroups = split_into_subgroups(members, self.config.max_group_size)
         if self.policy is not None and self.config.strategy == "partitioned":
             members = await self._planned(members, subgroups, numel)
+        else:  # no planner checked a NAT'd member's paths: it aggregates nothing
+            members = tuple(replace(m, share=0.0) if m.private else m for m in members)
         group = Group(os.urandom(16), step, members, subgroups, self.config.strategy, self.config.compression,
                       timeout)
         state.group = group
@@ -335,7 +341,7 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         self._decision(step).set()
         request = {"v": VERSION, "step": step, "w": me.weight, "s": me.share, "c": me.client, "f": me.fetch,
-                   "g": gather, "i": self.incarnation}
+                   "p": me.private, "g": gather, "i": self.incarnation}
         tried: set[str] = set()
         leader = candidates[0]
         broken = 0
@@ -377,7 +383,7 @@ class Matchmaker:
             self._unreachable.setdefault(step, set()).add(leader)
             rest = [c for c in candidates if c not in tried and c != self.me]
             if not rest or rest[0] > self.me:
-                if not self.client:
+                if self.node.reachable:
                     # close while the others, who gave up on the same leader, still wait for an answer
                     t = self.config.matchmaking_time
                     close = min(deadline - t / 2, loop.time() + t)

@@ -29,8 +29,8 @@ HELLO = 0xFFFFFFFF
 
 def ring_order(group: Group) -> list[int]:
     """Member indices in ring order, no two client-mode members adjacent; raises if impossible."""
-    reach = [i for i, m in enumerate(group.members) if not m.client]
-    clients = [i for i, m in enumerate(group.members) if m.client]
+    reach = [i for i, m in enumerate(group.members) if m.reachable]
+    clients = [i for i, m in enumerate(group.members) if not m.reachable]
     if len(clients) > len(reach):
         raise AveragingError(f"ring needs at least as many reachable peers as client-mode ones "
                              f"({len(reach)} < {len(clients)})")
@@ -102,12 +102,12 @@ class RingRound:
         own: list[asyncio.StreamWriter] = []
         send: asyncio.Task | None = None
         try:
-            if not self.group.members[self.succ].client:
+            if self.group.members[self.succ].reachable:
                 r, w = await self.open_stream(self._peer(self.succ))
                 own.append(w)
                 self._out.set_result((r, w))
             own_in = None
-            if self.group.members[self.order[self.pos]].client:
+            if not self.group.members[self.order[self.pos]].reachable:
                 _, own_in = await self._open_in()
                 own.append(own_in)
             out_reader, out = await self._out

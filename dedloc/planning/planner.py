@@ -30,7 +30,7 @@ from dedloc.net.node import Node
 from dedloc.planning import lp
 from dedloc.planning.estimate import LinkEstimates
 from dedloc.planning.probe import ProbeResult, ProbeServer, probe
-from dedloc.records import CapabilityRecord
+from dedloc.records import MAX_DIRECT, CapabilityRecord
 
 logger = logging.getLogger(__name__)
 PUBLISH_INTERVAL = 30.0
@@ -58,6 +58,8 @@ class Planner:
         self._refreshing: asyncio.Task | None = None
         self._changed = asyncio.Event()
         self._published: CapabilityRecord | None = None
+        self._direct: tuple[str, ...] = ()
+        """A private peer's peers with a direct connection to it, as of the last check."""
 
     async def start(self) -> None:
         await self.server.start()
@@ -75,7 +77,7 @@ class Planner:
     def record(self) -> CapabilityRecord:
         return CapabilityRecord(self.me, self.links.upload.value(), self.links.download.value(),
                                 self.links.pair_values(), self.node.config.client_mode, not self.node.reachable,
-                                self.config.aggregator_only, self.samples_per_second, time.time())
+                                self._direct, self.config.aggregator_only, self.samples_per_second, time.time())
 
     def observe_round(self, stats: RoundStats) -> None:
         """Passive measurement from one averaging round: the bytes this peer sent (received) over
@@ -130,6 +132,12 @@ class Planner:
         await self.node.store(self.node.key("caps"), self.me, rec.to_wire(), ttl=3 * PUBLISH_INTERVAL)
         self.snapshot[self.me] = self._published = rec
 
+    async def _direct_peers(self) -> tuple[str, ...]:
+        """Peers with a direct (not relayed) connection to this one: punched paths for a NAT'd peer."""
+        direct = {info.peer_id.to_base58() for info in await self.node.p2p.list_peers()
+                  if any("/p2p-circuit" not in str(a) for a in info.addrs)}
+        return tuple(sorted(direct)[:MAX_DIRECT])
+
     async def _publish_loop(self) -> None:
         while True:
             self._changed.clear()
@@ -139,7 +147,17 @@ class Planner:
                 logger.debug(f"could not publish capabilities: {e!r}")
             await asyncio.sleep(MIN_PUBLISH)
             try:
-                await asyncio.wait_for(self._changed.wait(), PUBLISH_INTERVAL - MIN_PUBLISH)
+                async with asyncio.timeout(PUBLISH_INTERVAL - MIN_PUBLISH):
+                    while not self._changed.is_set():
+                        if not self.node.reachable and not self.node.config.client_mode:
+                            direct = await self._direct_peers()  # a new punched path: publish it soon
+                            if direct != self._direct:
+                                self._direct = direct
+                                break
+                        try:
+                            await asyncio.wait_for(self._changed.wait(), MIN_PUBLISH)
+                        except TimeoutError:
+                            pass
             except TimeoutError:
                 pass
 
@@ -193,7 +211,7 @@ class Planner:
                 m.peer_id, r.upload if r is not None and r.upload > 0 else fill_up,
                 r.download if r is not None and r.download > 0 else fill_down,
                 sends=m.weight > 0, receives=m.fetch,
-                can_aggregate=m.share > 0 and not m.client and not (r is not None and r.private),
+                can_aggregate=m.share > 0 and not m.client and (not m.private or self._direct_to_all(m, r, members)),
                 samples_per_second=r.samples_per_second if r is not None else 0.0))
         index = {m.peer_id: i for i, m in enumerate(members)}
         pairs = {}
@@ -206,14 +224,21 @@ class Planner:
                     pairs[(i, j)] = rate
         return peers, pairs
 
+    @staticmethod
+    def _direct_to_all(m: Member, rec: CapabilityRecord | None, members: tuple[Member, ...]) -> bool:
+        """A NAT'd member may aggregate only if its record shows a direct path to every other member:
+        a member with no path to its aggregator would lose its part of the round."""
+        direct = set(rec.direct) if rec is not None else set()
+        return all(o.peer_id in direct for o in members if o.peer_id != m.peer_id)
+
     async def shares(self, members: tuple[Member, ...], numel: int) -> tuple[float, ...]:
         """The shares for one round among ``members``; equal shares (with a logged reason) on any failure.
 
         The vector's size on the wire follows the current compression setting (it may change at run time)."""
         mode = self.config.planner
         bytes_per_element = 2 if self.config.compression == "float16" else 4
-        if mode == "declared":
-            return tuple(m.share for m in members)
+        if mode == "declared":  # a NAT'd member's paths are not known to the peer that declared its share
+            return tuple(0.0 if m.private else m.share for m in members)
         peers: list[lp.PlanPeer] = []
         try:
             if mode in ("lp", "bandwidth"):
@@ -236,7 +261,7 @@ class Planner:
                 plan = lp.choose(peers, nbytes, pairs)
         except ConfigError as e:
             logger.warning(f"planning failed ({e}); using equal shares")
-            return tuple(lp.equal_shares(peers)) if peers else tuple(m.share for m in members)
+            return tuple(lp.equal_shares(peers)) if peers else tuple(0.0 if m.private else m.share for m in members)
         self._log(plan, peers, nbytes)
         return plan.shares
 
