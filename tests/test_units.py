@@ -335,3 +335,60 @@ def test_the_leaders_round_timeout_travels_with_the_group():
         wire["timeout"] = bad
         with pytest.raises(ProtocolError, match="malformed group"):
             Group.from_wire(wire)
+
+
+def test_reachability_rules_without_a_prober():
+    """The verdicts that need no dial-back, and what a dial-back request may make a prober dial."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    from dedloc.net.reachability import MAX_PORTS, observed_ip, probe, tcp_ports
+
+    loopback = [Multiaddr("/ip4/127.0.0.1/tcp/4001"), Multiaddr("/ip4/127.0.0.1/udp/4001/quic-v1")]
+    assert asyncio.run(probe(None, "r", [], loopback)).public  # the first peer starts the run
+    local = asyncio.run(probe(None, "r", ["someone"], loopback))
+    assert local.public and "loopback" in local.how  # a local run (the demo, the tests)
+    lan_quic_only = asyncio.run(probe(None, "r", ["someone"], [Multiaddr("/ip4/192.168.1.2/udp/4001/quic-v1")]))
+    assert not lan_quic_only.public and "no TCP" in lan_quic_only.how
+    many = [Multiaddr(f"/ip4/10.0.0.1/tcp/{p}") for p in range(5000, 5010)]
+    assert tcp_ports(many + [Multiaddr("/ip4/1.2.3.4/tcp/7/p2p/QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ"
+                                       "/p2p-circuit")]) == list(range(5000, 5000 + MAX_PORTS))
+    assert observed_ip(Multiaddr("/ip4/100.200.0.100/udp/4001/quic-v1")) == "100.200.0.100"
+    assert observed_ip(Multiaddr("/ip4/100.200.0.10/tcp/1/p2p/QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ"
+                                 "/p2p-circuit")) is None  # a relayed stream: nobody to dial
+
+
+def test_listen_default_follows_the_initial_peers():
+    """Loopback while every initial peer is on this machine; every interface, TCP and QUIC, otherwise."""
+    assert PeerConfig().listen_maddrs() == ("/ip4/127.0.0.1/tcp/0",)
+    assert PeerConfig(initial_peers=("/ip4/127.0.0.1/tcp/5/p2p/x",)).listen_maddrs() == ("/ip4/127.0.0.1/tcp/0",)
+    far = PeerConfig(initial_peers=("/ip4/1.2.3.4/tcp/31337/p2p/x",)).listen_maddrs()
+    assert "/ip4/0.0.0.0/tcp/0" in far and "/ip4/0.0.0.0/udp/0/quic-v1" in far
+    assert PeerConfig(host_maddrs=("/ip4/0.0.0.0/tcp/9",)).listen_maddrs() == ("/ip4/0.0.0.0/tcp/9",)
+    with pytest.raises(ConfigError, match="reachability"):
+        PeerConfig(reachability="maybe").validate()
+    with pytest.raises(ConfigError, match="relay_service"):
+        PeerConfig(client_mode=True, relay_service=True).validate()
+
+
+def test_a_private_member_aggregates_only_over_direct_paths():
+    """The planner lets a NAT'd member aggregate only when its record lists every other member as
+    a direct connection; a malformed or oversized list of direct peers drops the record."""
+    from dedloc.planning.planner import Planner
+
+    members = (Member("a", 1.0, 1.0), Member("b", 1.0, 1.0, private=True), Member("c", 1.0, 1.0))
+    assert Planner._direct_to_all(members[1], CapabilityRecord("b", direct=("a", "c")), members)
+    assert not Planner._direct_to_all(members[1], CapabilityRecord("b", direct=("a",)), members)
+    assert not Planner._direct_to_all(members[1], None, members)
+    wire = CapabilityRecord("b", 1.0, 1.0, private=True, direct=("a", "c")).to_wire()
+    assert CapabilityRecord.from_wire("b", wire).direct == ("a", "c")
+    for bad in ("a", [1, 2], ["x"] * 257):
+        assert CapabilityRecord.from_wire("b", {**wire, "x": bad}) is None
+    g = Group(bytes(16), 0, members)
+    back = Group.from_wire(g.to_wire())
+    assert [m.private for m in back.members] == [False, True, False] and not back.members[1].reachable
+    # in a ring no two NAT'd members are neighbours (neither could dial the other); too many is an error
+    four = tuple(Member(p, 1.0, 1.0, private=p in "bd") for p in "abcd")
+    order = ring_order(Group(bytes(16), 0, four))
+    assert all(four[order[k]].reachable or four[order[(k + 1) % 4]].reachable for k in range(4)), order
+    with pytest.raises(AveragingError, match="ring needs"):
+        ring_order(Group(bytes(16), 0, tuple(Member(p, 1.0, 1.0, private=p != "a") for p in "abc")))

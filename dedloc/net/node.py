@@ -105,12 +105,13 @@ class Node:
     @classmethod
     async def create(cls, config: PeerConfig) -> "Node":
         config.validate()
-        for addr in config.initial_peers:
-            try:
-                maddr = Multiaddr(addr)
-                maddr["p2p"]
-            except Exception:
-                raise JoinError(f"initial peer {addr!r} is not a full multiaddr ending in /p2p/<peer id>") from None
+        for what, addrs in (("initial peer", config.initial_peers), ("relay", config.relays)):
+            for addr in addrs:
+                try:
+                    maddr = Multiaddr(addr)
+                    maddr["p2p"]
+                except Exception:
+                    raise JoinError(f"{what} {addr!r} is not a full multiaddr ending in /p2p/<peer id>") from None
         if config.identity_path and not os.path.exists(config.identity_path):
             parent = os.path.dirname(os.path.abspath(config.identity_path))
             if not os.path.isdir(parent):
@@ -119,8 +120,8 @@ class Node:
         launching = _launching.set(sockets)
         relays = _one_address_each(config.relays or config.initial_peers)
         auto_relay = not config.client_mode and config.reachability != "public" and bool(relays)
-        _extra_args.set((RELAY_SERVICE_ARGS if config.relay_service else ("-relayService=0",)) +
-                        (("-relayDiscovery=0",) if auto_relay else ()))
+        extra = _extra_args.set((RELAY_SERVICE_ARGS if config.relay_service else ("-relayService=0",)) +
+                                (("-relayDiscovery=0",) if auto_relay else ()))
 
         # A relay is not forced public: then its large-limit relay service (started once AutoNAT finds
         # it public) replaces the tiny default one that this daemon build also starts. No daemon is
@@ -177,6 +178,7 @@ class Node:
                             f"{type(e).__name__}: {e}") from None
         finally:
             _launching.reset(launching)
+            _extra_args.reset(extra)
         return cls(p2p, dht, config, reachability)
 
     @property
