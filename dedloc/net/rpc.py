@@ -67,7 +67,12 @@ async def reply_last(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
 
 PUNCH_WAIT = 3.0
 """Longest a stream waits for a hole-punched direct connection when the only one is relayed."""
+UNPUNCHED_S = 60.0
+"""After a wait that brought no direct connection, streams to that peer go through the relay at
+once for this long (a NAT that punching cannot pass would otherwise cost every stream the wait)."""
 _POLL = 0.1
+_unpunched: dict[PeerID, float] = {}
+"""Peer -> until when (loop time) its streams skip the wait. Lives in the runtime process."""
 
 
 async def _relayed_only(p2p: P2P, peer_id: PeerID) -> bool:
@@ -81,12 +86,24 @@ async def open_stream(p2p: P2P, peer_id: PeerID, name: str) -> tuple[asyncio.Str
     When the only connection to the peer goes through a relay (it is behind NAT and was dialled
     through its circuit address), this waits up to ``PUNCH_WAIT`` seconds for the direct connection
     that hole punching (DCUtR) brings, so that the stream's bytes do not stay on the relay; if none
-    comes, the stream goes through the relay. Raises the daemon's error if the peer is unreachable."""
-    if await _relayed_only(p2p, peer_id):
-        loop = asyncio.get_running_loop()
-        until = loop.time() + PUNCH_WAIT
-        while loop.time() < until and await _relayed_only(p2p, peer_id):
+    comes, the stream goes through the relay, and so do the peer's streams for ``UNPUNCHED_S``
+    seconds without waiting. Each outcome is logged at INFO. Raises the daemon's error if the peer
+    is unreachable."""
+    loop = asyncio.get_running_loop()
+    if _unpunched.get(peer_id, -1.0) < loop.time() and await _relayed_only(p2p, peer_id):
+        started = loop.time()
+        relayed = True
+        while relayed and loop.time() < started + PUNCH_WAIT:
             await asyncio.sleep(_POLL)  # the daemon has no event for a new connection
+            relayed = await _relayed_only(p2p, peer_id)
+        if relayed:
+            _unpunched[peer_id] = loop.time() + UNPUNCHED_S
+            for peer in [p for p, until in _unpunched.items() if until < loop.time()]:
+                del _unpunched[peer]
+            logger.info(f"no direct path to {peer_id} after {PUNCH_WAIT:.0f} s of hole punching: its streams go "
+                        f"through the relay")
+        else:
+            logger.info(f"direct connection to {peer_id} after hole punching ({loop.time() - started:.2f} s)")
     _, reader, writer = await p2p.call_binary_stream_handler(peer_id, name)
     return reader, writer
 
