@@ -48,8 +48,9 @@ def test_nat_peers_found_private_punch_or_relay_and_never_aggregate(tmp_path):
         ids = [i["peer_id"] for i in infos]
         assert [i["reachable"] for i in infos] == [True] * 4 + [False] * len(NATS), [i["reachability"] for i in infos]
 
-        # a NAT'd newcomer gets the state from a NAT'd peer, its only donor: behind ordinary routers
-        # over a punched direct connection, behind --random-fully ones through the run's relay
+        # a NAT'd newcomer gets the state from a NAT'd peer, its only donor; then the two hold a
+        # punched direct connection behind ordinary routers, and only the relayed one behind
+        # --random-fully routers (the first stream goes wherever the daemon's first dial lands)
         for donor, newcomer, direct in ((4, 5, True), (6, 7, False)):
             peers[donor].call(op="offer", step=7, seed=donor, numel=NUMEL)
             got = peers[newcomer].call(op="download", donors=[ids[donor]], min_step=7, within=60, seed=donor,
