@@ -17,8 +17,8 @@ PLANNERS = ("lp", "equal", "bandwidth", "declared")
 REACHABILITY = ("auto", "public", "private")
 PUBLIC_PORT = 31337
 PUBLIC_HOST_MADDRS = (f"/ip4/0.0.0.0/tcp/{PUBLIC_PORT}", f"/ip4/0.0.0.0/udp/{PUBLIC_PORT}/quic-v1")
-"""Where real-run roles (backbone, aggregator) listen by default: every interface, TCP and QUIC on
-one port number (the one port a backbone operator opens, for TCP and UDP)."""
+"""Where a backbone listens by default: every interface, TCP and QUIC on one port number (the one
+port a backbone operator opens, for TCP and UDP)."""
 
 
 LOOPBACK_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
@@ -55,8 +55,9 @@ class PeerConfig:
     """Accept no inbound connections: the peer dials out only and never aggregates."""
     reachability: str = "auto"
     """'auto': find out with a dial-back probe by the initial peers whether others can connect to
-    this peer; 'public' or 'private': declare it. A private peer is never a leader or an
-    aggregator; it keeps a slot on the run's relays and punches holes to other peers."""
+    this peer; 'public' or 'private': declare it. A private peer never leads and aggregates only
+    over direct paths to every member; it keeps a slot on the run's relays and punches holes to
+    other peers (docs/nat.md)."""
     relays: tuple[str, ...] = ()
     """Multiaddrs of the run's relays, for a private peer (empty: the initial peers)."""
     relay_service: bool | None = None

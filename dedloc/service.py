@@ -15,6 +15,7 @@ from typing import Any
 from dedloc.averaging.averager import Averager
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import ConfigError, DedlocError
+from dedloc.net import rpc
 from dedloc.net.node import Node
 from dedloc.net.runtime import SharedBuffer
 from dedloc.planning.planner import Planner
@@ -64,13 +65,8 @@ class PeerService:
     async def connections(self) -> dict[str, dict[str, Any]]:
         """This peer's open connections: peer id -> {"direct": any connection not through a relay,
         "addrs": the remote address of each}."""
-        out: dict[str, dict[str, Any]] = {}
-        for info in await self.node.p2p.list_peers():
-            entry = out.setdefault(info.peer_id.to_base58(), {"direct": False, "addrs": []})
-            for addr in map(str, info.addrs):
-                entry["addrs"].append(addr)
-                entry["direct"] = entry["direct"] or "/p2p-circuit" not in addr
-        return out
+        return {peer: {"direct": not all(map(rpc.relayed, addrs)), "addrs": addrs}
+                for peer, addrs in (await rpc.connections(self.node.p2p)).items()}
 
     async def ping(self) -> float:
         return time.time()

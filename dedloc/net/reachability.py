@@ -48,7 +48,7 @@ def tcp_ports(maddrs: list[Multiaddr]) -> list[int]:
     """The TCP ports of the direct (not relayed) addresses among ``maddrs``, each once."""
     ports: list[int] = []
     for addr in maddrs:
-        if "p2p-circuit" in str(addr):
+        if rpc.relayed(addr):
             continue
         try:
             port = int(addr["tcp"])
@@ -61,7 +61,7 @@ def tcp_ports(maddrs: list[Multiaddr]) -> list[int]:
 
 def observed_ip(addr: Multiaddr) -> str | None:
     """The IP address a direct connection comes from (None for a relayed one or a non-IP address)."""
-    if "p2p-circuit" in str(addr):
+    if rpc.relayed(addr):
         return None
     for proto in ("ip4", "ip6"):
         try:

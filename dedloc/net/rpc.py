@@ -75,9 +75,22 @@ _unpunched: dict[PeerID, float] = {}
 """Peer -> until when (loop time) its streams skip the wait. Lives in the runtime process."""
 
 
+def relayed(addr: Any) -> bool:
+    """The multiaddr goes through a relay (a circuit address)."""
+    return "/p2p-circuit" in str(addr)
+
+
+async def connections(p2p: P2P) -> dict[str, list[str]]:
+    """The daemon's open connections: peer id -> the remote address of each connection to it."""
+    out: dict[str, list[str]] = {}
+    for info in await p2p.list_peers():
+        out.setdefault(info.peer_id.to_base58(), []).extend(map(str, info.addrs))
+    return out
+
+
 async def _relayed_only(p2p: P2P, peer_id: PeerID) -> bool:
-    conns = [str(a) for info in await p2p.list_peers() if info.peer_id == peer_id for a in info.addrs]
-    return bool(conns) and all("/p2p-circuit" in a for a in conns)
+    addrs = (await connections(p2p)).get(peer_id.to_base58(), [])
+    return bool(addrs) and all(map(relayed, addrs))
 
 
 async def open_stream(p2p: P2P, peer_id: PeerID, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -25,6 +25,7 @@ from dedloc.averaging.round_core import RoundStats
 from dedloc.averaging.group import Member
 from dedloc.config import AveragingConfig
 from dedloc.errors import ConfigError
+from dedloc.net import rpc
 from dedloc.net.bulk import busy_seconds
 from dedloc.net.node import Node
 from dedloc.planning import lp
@@ -134,9 +135,8 @@ class Planner:
 
     async def _direct_peers(self) -> tuple[str, ...]:
         """Peers with a direct (not relayed) connection to this one: punched paths for a NAT'd peer."""
-        direct = {info.peer_id.to_base58() for info in await self.node.p2p.list_peers()
-                  if any("/p2p-circuit" not in str(a) for a in info.addrs)}
-        return tuple(sorted(direct)[:MAX_DIRECT])
+        conns = await rpc.connections(self.node.p2p)
+        return tuple(sorted(p for p, addrs in conns.items() if not all(map(rpc.relayed, addrs)))[:MAX_DIRECT])
 
     async def _publish_loop(self) -> None:
         while True:
@@ -146,20 +146,18 @@ class Planner:
             except Exception as e:
                 logger.debug(f"could not publish capabilities: {e!r}")
             await asyncio.sleep(MIN_PUBLISH)
-            try:
-                async with asyncio.timeout(PUBLISH_INTERVAL - MIN_PUBLISH):
-                    while not self._changed.is_set():
-                        if not self.node.reachable and not self.node.config.client_mode:
-                            direct = await self._direct_peers()  # a new punched path: publish it soon
-                            if direct != self._direct:
-                                self._direct = direct
-                                break
-                        try:
-                            await asyncio.wait_for(self._changed.wait(), MIN_PUBLISH)
-                        except TimeoutError:
-                            pass
-            except TimeoutError:
-                pass
+            loop = asyncio.get_running_loop()
+            until = loop.time() + PUBLISH_INTERVAL - MIN_PUBLISH
+            while not self._changed.is_set() and loop.time() < until:
+                if not self.node.reachable and not self.node.config.client_mode:
+                    direct = await self._direct_peers()  # a new punched path: publish it soon
+                    if direct != self._direct:
+                        self._direct = direct
+                        break
+                try:
+                    await asyncio.wait_for(self._changed.wait(), max(0.0, min(MIN_PUBLISH, until - loop.time())))
+                except TimeoutError:
+                    pass
 
     async def _probe_loop(self) -> None:
         # not at start-up, when the first rounds form: until then, unknown peers plan as equals

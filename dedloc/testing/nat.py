@@ -22,6 +22,7 @@ import shutil
 from dataclasses import dataclass
 
 from dedloc.config import PUBLIC_HOST_MADDRS
+from dedloc.net.rpc import relayed
 from dedloc.testing import netem
 from dedloc.testing.netem import _run
 
@@ -46,20 +47,14 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-class NatNetwork:
+class NatNetwork(netem.Namespaces):
     """``NatNetwork(public=2, nats=[Nat(), Nat()])``: 2 public hosts and 2 NAT'd hosts."""
 
     def __init__(self, public: int, nats: list[Nat], prefix: str | None = None):
-        self.prefix = prefix or f"dn{os.getpid() % 100000}"
+        super().__init__(prefix or f"dn{os.getpid() % 100000}")
         self.n_public, self.nats = public, list(nats)
-        self.switch = f"{self.prefix}sw"
-        self._made: list[str] = []
         self._links = 0
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
+        self._build_or_close()
 
     # ---- names and addresses ---------------------------------------------------------------------
     def public(self, i: int) -> str:
@@ -139,21 +134,10 @@ class NatNetwork:
                  "-j", "ACCEPT")
             _run(*ipt, "-A", "INPUT", "-i", wan, "-j", "DROP")
 
-    def close(self) -> None:
-        """Kill whatever still runs in the namespaces, then delete them (idempotent)."""
-        netem.remove_namespaces(self._made)
-        self._made.clear()
-
-    def __enter__(self) -> "NatNetwork":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 def public_maddrs(maddrs: list[str]) -> list[str]:
     """The addresses among ``maddrs`` on the public segment, not through a relay."""
-    return [a for a in maddrs if f"/ip4/{PUBLIC_NET}." in a and "/p2p-circuit" not in a]
+    return [a for a in maddrs if f"/ip4/{PUBLIC_NET}." in a and not relayed(a)]
 
 
 def start_run(net: NatNetwork, logdir: str, run_id: str, averaging: dict, *, observers: int = 3,
@@ -184,7 +168,7 @@ def start_run(net: NatNetwork, logdir: str, run_id: str, averaging: dict, *, obs
         infos += [p.receive(120) for p in peers[1 + observers:]]
         for p in peers[1 + observers:]:  # reachable once it holds a relay slot (a circuit address)
             deadline = time.monotonic() + slot_timeout
-            while not any("/p2p-circuit" in a for a in p.call(op="maddrs")):
+            while not any(map(relayed, p.call(op="maddrs"))):
                 assert time.monotonic() < deadline, f"peer {p.index} got no relay slot within {slot_timeout:.0f} s"
                 time.sleep(0.5)  # the daemon announces no event for a new address
     except BaseException:

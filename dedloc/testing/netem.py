@@ -85,20 +85,45 @@ def _tbf(netns: str, dev: str, mbit: float) -> None:
          "burst", str(burst), "latency", "100ms")
 
 
-class Network:
-    """``Network(links)``: namespace ``ns(i)`` for each link, all on one bridge, addresses ``ip(i)``."""
+class Namespaces:
+    """Network namespaces made under one prefix by a subclass's ``_build``; ``close()`` (also from a
+    ``with`` block, and on a failed build) kills what runs in them and deletes them."""
 
-    def __init__(self, links: list[Link], prefix: str | None = None):
-        self.prefix = prefix or f"dl{os.getpid() % 100000}"
-        self.links = links
+    def __init__(self, prefix: str):
+        self.prefix = prefix
         self.switch = f"{self.prefix}sw"
-        self._subnet = 10 + os.getpid() % 200
         self._made: list[str] = []
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def _build_or_close(self) -> None:
         try:
             self._build()
         except BaseException:
             self.close()
             raise
+
+    def close(self) -> None:
+        """Kill whatever still runs in the namespaces, then delete them (idempotent)."""
+        remove_namespaces(self._made)
+        self._made.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Network(Namespaces):
+    """``Network(links)``: namespace ``ns(i)`` for each link, all on one bridge, addresses ``ip(i)``."""
+
+    def __init__(self, links: list[Link], prefix: str | None = None):
+        super().__init__(prefix or f"dl{os.getpid() % 100000}")
+        self.links = links
+        self._subnet = 10 + os.getpid() % 200
+        self._build_or_close()
 
     def ns(self, i: int) -> str:
         return f"{self.prefix}p{i}"
@@ -133,14 +158,3 @@ class Network:
     def exec_args(self, i: int) -> list[str]:
         """Prefix for a command that must run inside peer ``i``'s namespace."""
         return ["ip", "netns", "exec", self.ns(i)]
-
-    def close(self) -> None:
-        """Kill whatever still runs in the namespaces, then delete them (idempotent)."""
-        remove_namespaces(self._made)
-        self._made.clear()
-
-    def __enter__(self) -> "Network":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
