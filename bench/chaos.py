@@ -157,8 +157,14 @@ class Soak:
         return [t for t in self.trainers if t.proc is not None and t.proc.popen.poll() is None
                 and t.proc.stopped_until is None and t.proc.terminating_since is None]
 
-    def count(self, kind: str) -> None:
+    def count(self, kind: str, what: str = "") -> None:
         self.injected[kind] = self.injected.get(kind, 0) + 1
+        self.note(f"{kind} {what}".strip())
+
+    def note(self, event: str) -> None:
+        """One line in ``chaos.log``, in the peers' log format (so ``log_digest`` shows the faults too)."""
+        with open(os.path.join(self.dir, "chaos.log"), "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} INFO [chaos] {event}\n")
 
     def runtime_pid(self, t: Trainer) -> int | None:
         if t.proc.runtime_pid is None:
@@ -190,13 +196,13 @@ class Soak:
         if kind == "join_new":
             if len(self.trainers) < self.args.trainers + self.args.max_new:
                 self.new_trainer()
-                self.count(kind)
+                self.count(kind, f"trainer{len(self.trainers) - 1}")
                 return
             kind = "restart"
         if len(running) <= 2:
             return  # keep at least two trainers running
         t = self.rng.choice(running)
-        self.count(kind)
+        self.count(kind, f"trainer{t.index}.{t.incarnation}")
         if kind == "kill9":
             t.proc.popen.kill()
             t.restart_at = now + self.rng.uniform(3, 10)
@@ -216,11 +222,12 @@ class Soak:
             if p.stopped_until is not None and now >= p.stopped_until:
                 self._signal_peer(t, signal.SIGCONT, p.stopped_whole)
                 p.stopped_until = None
+                self.note(f"continued trainer{t.index}.{t.incarnation}")
             rc = p.popen.poll()
             if p.terminating_since is not None:
                 if rc is None and now - p.terminating_since > 30:
                     p.popen.kill()  # a clean stop that did not finish: counted, then treated as a kill
-                    self.count("restart_forced")
+                    self.count("restart_forced", f"trainer{t.index}.{t.incarnation}")
                 elif rc is not None:
                     p.terminating_since = None
                     t.restart_at = now + self.rng.uniform(1, 3)
@@ -231,11 +238,13 @@ class Soak:
             if t.restart_at is not None and now >= t.restart_at and rc is not None:
                 t.incarnation += 1
                 self.start_trainer(t)
+                self.note(f"restarted trainer{t.index} as trainer{t.index}.{t.incarnation}")
         if self.backbone_restart_at is not None and now >= self.backbone_restart_at:
             self.backbone.popen.wait()
             try:
                 self.start_backbone(self.aggregator_maddrs)
                 self.backbone_restart_at = None
+                self.note("restarted the backbone")
             except RuntimeError as e:  # e.g. its old daemon still holds the port: try again shortly
                 self.crashed.append(f"backbone restart failed: {e}")
                 self.backbone_restart_at = now + 5
@@ -280,7 +289,7 @@ class Soak:
                     next_fault = now + self.rng.uniform(0.6, 1.4) * args.fault_every
                 if now >= next_backbone and self.backbone_restart_at is None:
                     self.backbone.popen.kill()
-                    self.count("backbone_kill9")
+                    self.count("backbone_kill9", "backbone")
                     self.backbone_restart_at = now + self.rng.uniform(2, 5)
                     next_backbone = now + self.rng.uniform(0.8, 1.2) * args.backbone_every
                 if now >= next_rss:
@@ -311,7 +320,7 @@ class Soak:
             except subprocess.TimeoutExpired:
                 p.popen.kill()
                 p.popen.wait()
-                self.count("shutdown_forced")
+                self.count("shutdown_forced", p.name)
         # runtimes run in sessions of their own: the trainers' events name them
         for t in self.trainers:
             try:
@@ -362,8 +371,10 @@ class Soak:
             max_diff = max(max_diff, diff)
             if diff > 0:
                 disagreed.append(k)
-        times = [first_at[k] for k in sorted(first_at) if k > 0]
-        gaps = [b - a for a, b in zip(times, times[1:])] + ([end - times[-1]] if times else [end - start])
+        steps_at = [(k, first_at[k]) for k in sorted(first_at) if k > 0]
+        windows = [(a, b, k) for (k, a), (_, b) in zip(steps_at, steps_at[1:])] + \
+            ([(steps_at[-1][1], end, steps_at[-1][0])] if steps_at else [(start, end, 0)])
+        stall_from, stall_to, stall_step = max(windows, key=lambda w: w[1] - w[0])
         crashes = [f"trainer{e['trainer']}.{e['inc']}: {e['error']}" for e in events if e["e"] == "crash"
                    and "KeyboardInterrupt" not in e["error"]]
         replay = self.replay(events, peer_of, canonical, steps)
@@ -383,12 +394,16 @@ class Soak:
                 "final_step_agrees": steps not in disagreed,
                 "crashes": (crashes + self.crashed)[:20],
                 "skipped_steps": sorted({e["step"] for e in events if e["e"] == "round" and e["skipped"]}),
-                "longest_stall_s": round(max(gaps, default=0.0), 1), "max_param_diff": max_diff, **replay,
+                "longest_stall_s": round(stall_to - stall_from, 1),
+                "longest_stall": {"after_step": stall_step, "from_s": round(stall_from - start, 1),
+                                  "to_s": round(stall_to - start, 1)},
+                "first_step_s": round(steps_at[0][1] - start, 1) if steps_at else None,
+                "max_param_diff": max_diff, **replay,
                 "batch_min": min((e["batch"] for e in rounds), default=0),
                 "batch_max": max((e["batch"] for e in rounds), default=0),
                 "rss_growth": round(growth, 3), "rss_growth_of": grew, "orphans": {"processes": sessions_alive(self.sessions),
                                                              "sockets": sockets},
-                "failures_injected": dict(sorted(self.injected.items())), "workdir": self.dir}
+                "failures_injected": dict(sorted(self.injected.items())), "workdir": self.dir, "started_at": start}
 
     def replay(self, events: list[dict], peer_of: dict, canonical: dict[int, torch.Tensor], steps: int) -> dict:
         """Replay every step in one process from the logged contributions; compare with the peers'."""
@@ -439,6 +454,29 @@ class Soak:
             replayed += 1
         return {"replay_steps": replayed, "replay_max_diff": worst, "replay_gap_at": None,
                 "batch_mismatch_steps": mismatched}
+
+
+def log_digest(workdir: str, start: float, from_s: float, to_s: float, limit: int = 60) -> str:
+    """The log lines (``HH:MM:SS LEVEL ...``: the peers' and the soak's own faults, ``chaos.log``) from 5 s
+    before ``from_s`` to a second after ``to_s`` (seconds after ``start``): what a failed soak was doing
+    during its longest stall. At most ``limit`` lines, faults, warnings and errors first, each prefixed
+    with its log's name."""
+    lo, hi = (time.strftime("%H:%M:%S", time.localtime(start + s)) for s in (from_s - 5, to_s + 1))
+    lines = []
+    for path in sorted(glob.glob(os.path.join(workdir, "*.log"))):
+        name = os.path.basename(path)[:-4]
+        with open(path, errors="replace") as f:
+            for line in f:
+                stamp = line[:8]
+                if len(stamp) == 8 and stamp[2] == stamp[5] == ":" and \
+                        (lo <= stamp <= hi if lo <= hi else (stamp >= lo or stamp <= hi)):  # past midnight
+                    lines.append((stamp, name, line.rstrip()[:300]))
+    lines.sort()
+    urgent = [x for x in lines if x[1] == "chaos" or " WARN" in x[2] or " ERROR " in x[2]]
+    rest = [x for x in lines if x not in urgent]
+    shown = sorted(urgent[:limit] + rest[:max(0, limit - len(urgent))])
+    return "\n".join(f"{name}: {line}" for _, name, line in shown) + \
+        (f"\n... and {len(lines) - len(shown)} more lines" if len(lines) > len(shown) else "")
 
 
 def main() -> None:

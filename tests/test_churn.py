@@ -473,3 +473,63 @@ def test_a_peer_still_catching_up_does_not_take_the_next_step_alone():
             copt.close()
     finally:
         peer.close()
+
+
+def test_a_leader_whose_round_failed_reopens_the_step(tmp_path):
+    """A round closed, then failed for its members (their joins timed out while the leader, starved
+    or slowed by a dead DHT node, answered late). The leader's closed record and its answers kept the
+    step closed: every retry by anyone was 'missed' again, and nobody took the step until the
+    records expired (a 69 s stall in the soak on a loaded machine). Now a peer whose round failed
+    withdraws its closed record and tells joiners to pass it over; a late peer takes the step at once."""
+    from dedloc.averaging.matchmaking import Matchmaker
+
+    rid = run_id()
+    peer = Peer(PeerConfig(run_id=rid), AVG)
+    closed, reopen, reopened = threading.Event(), threading.Event(), threading.Event()
+
+    tasks = []
+
+    async def leader(node, finished):
+        mm = Matchmaker(node, AVG, 1.0)
+        await mm.start()
+        group = await mm.form_group(0, 8.0, expected_peers=1)  # leads and closes step 0 alone
+        assert [m.peer_id for m in group.members] == [node.peer_id.to_base58()]
+        closed.set()
+
+        async def fail_when_told():  # ends once reopen is set (the test's finally sets it)
+            if await asyncio.to_thread(reopen.wait, 60):
+                await mm.round_failed(0, group)
+                reopened.set()
+
+        tasks.append(asyncio.create_task(fail_when_told()))  # the node answers joins meanwhile
+
+    def closed_by(leader: str) -> bool:
+        return leader in peer.closed_round(0)
+
+    try:
+        identity = tmp_path / "leader.key"
+        for _ in range(64):  # the late peer must ask the bare leader first: its id must be the smaller
+            if (leader_id := ed25519_identity(identity)) < peer.peer_id:
+                break
+        config = PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs), identity_path=str(identity))
+        with bare_node(config, leader):
+            assert closed.wait(60), "the leader did not close step 0"
+            deadline = time.monotonic() + 20
+            while not closed_by(leader_id):
+                assert time.monotonic() < deadline, "the closed record never showed"
+                time.sleep(0.1)
+            with pytest.raises(MissedRoundError):  # the step is closed without it, as it should be
+                peer.average(torch.ones(4), step=0, weight=8.0, expected_peers=1)
+            reopen.set()
+            assert reopened.wait(30)
+            # the record is withdrawn, not left to expire (3 matchmaking_time + averaging_timeout = 26 s)
+            deadline = time.monotonic() + 12
+            while closed_by(leader_id):
+                assert time.monotonic() < deadline, "the failed leader's closed record still closes the step"
+                time.sleep(0.1)
+            # the leader answers 'pass me over' (before the fix: 'missed', for as long as it ran)
+            stats = peer.average(torch.full((4,), 3.0), step=0, weight=8.0, expected_peers=1)
+            assert stats["peers"] == [peer.peer_id], stats
+    finally:
+        reopen.set()
+        peer.close()

@@ -233,19 +233,11 @@ class Averager:
                                  "peers": [m.peer_id for m in group.members], "failovers": 0, "excluded": {},
                                  "shares": [m.share for m in group.members], "strategy": group.strategy,
                                  "weights": [m.weight for m in group.members]}
-        if len(group.members) == 1:
-            output, total = tensor.clone(), weight
-        elif group.strategy == "ring":
-            rnd = RingRound(group, me, tensor, weight, self._open, timeout, self.config.chunk_bytes)
-            self._register(group.round_id, rnd, timeout + ROUND_GRACE)
-            try:
-                output, total = await rnd.run(), group.total_weight
-            finally:
-                self._observed(rnd.stats, stats)
-        elif group.subgroups:
-            output, total = await self._hierarchical(group, me, tensor, weight, timeout, stats)
-        else:
-            output, total = await self._partitioned(group, me, tensor, weight, timeout, stats)
+        try:
+            output, total = await self._run(group, me, tensor, weight, timeout, stats)
+        except Exception:
+            await self.matchmaker.round_failed(step, group)  # the others must not wait on this group
+            raise
         if group.members[me].fetch:
             tensor.copy_(output)
         stats.update(total_weight=total, matchmaking_s=t1 - t0, allreduce_s=time.perf_counter() - t1)
@@ -253,6 +245,22 @@ class Averager:
                     + (f" ({stats['failovers']} failovers, excluded {sorted(stats['excluded'])})"
                        if stats["failovers"] or stats["excluded"] else ""))
         return stats
+
+    async def _run(self, group: Group, me: int, tensor: torch.Tensor, weight: float, timeout: float,
+                   stats: dict[str, Any]) -> tuple[torch.Tensor, float]:
+        """The round itself, by the group's strategy: (the averaged vector, its total weight)."""
+        if len(group.members) == 1:
+            return tensor.clone(), weight
+        if group.strategy == "ring":
+            rnd = RingRound(group, me, tensor, weight, self._open, timeout, self.config.chunk_bytes)
+            self._register(group.round_id, rnd, timeout + ROUND_GRACE)
+            try:
+                return await rnd.run(), group.total_weight
+            finally:
+                self._observed(rnd.stats, stats)
+        if group.subgroups:
+            return await self._hierarchical(group, me, tensor, weight, timeout, stats)
+        return await self._partitioned(group, me, tensor, weight, timeout, stats)
 
     async def _partitioned(self, group: Group, me: int, local: torch.Tensor, weight: float, timeout: float,
                            stats: dict[str, Any]) -> tuple[torch.Tensor, float]:

@@ -14,6 +14,12 @@ Protocol (docs/averaging.md has the reasoning):
    state on (only clients and aggregator-only peers) closes the step for its members alone: its
    leader publishes no ``closed`` record and answers late joiners ``{"missed", "held": false}``,
    and they pass it over as if unreachable and form another group.
+5. A peer whose round for ``s`` failed reopens the step: until it starts matchmaking for ``s`` again,
+   it answers joiners ``{"missed", "held": false, "failed": true}`` (they pass it over, as above, instead
+   of being told "missed" or handed the dead group), and a failed leader overwrites its ``closed``
+   record. Otherwise a round that failed for every member kept the step closed for everyone until
+   its records expired: each retry was "missed" again, and nobody took the step (60-70 s stalls in
+   the soak on a loaded machine).
 
 Guarantees: a peer is in at most one group per step (it sends at most one join whose outcome
 is unknown, and a leader's group is final once sent); every call returns or raises within
@@ -104,6 +110,8 @@ class Matchmaker:
         self._unreachable: dict[int, set[str]] = {}
         """Per step, leaders this peer could not reach: never stepped down for again (stepping down
         and failing to reach them would loop until the deadline)."""
+        self._failed: set[int] = set()
+        """Steps whose round failed at this peer and that it has not started matchmaking for again."""
 
     async def start(self) -> None:
         if self.node.reachable:  # only a reachable peer ever leads
@@ -118,7 +126,32 @@ class Matchmaker:
                 self._follow.pop(old, None)
                 self._unreachable.pop(old, None)
                 self._stepped_down.pop(old, None)
+                self._failed.discard(old)
         return self._decided[step]
+
+    def _reopen(self, step: int) -> None:
+        """Forget this peer's earlier matchmaking for ``step`` (a retry after its round failed or it
+        missed the step): joiners wait for the new decision instead of getting the old answer."""
+        self._failed.discard(step)
+        self._lead.pop(step, None)
+        self._follow.pop(step, None)
+        if step in self._decided and self._decided[step].is_set():
+            self._decided[step] = asyncio.Event()
+
+    async def round_failed(self, step: int, group: Group) -> None:
+        """The round of ``group`` failed at this peer: reopen ``step`` for the others (protocol rule 5)."""
+        self._decision(step)
+        self._failed.add(step)
+        led = self._lead.get(step)
+        if led is None or led.group is None or led.group.round_id != group.round_id:
+            return
+        logger.info(f"step {step}: the round this peer led failed; the step is open again for the others")
+        if led.held:  # its closed record (if any) must no longer close the step
+            try:
+                await self.node.store(self.node.key("closed", step), self.me, {"failed": True},
+                                      ttl=3 * self.config.matchmaking_time + self.config.averaging_timeout)
+            except Exception as e:
+                logger.debug(f"step {step}: could not withdraw the closed record: {e!r}")
 
     # ---- DHT views -----------------------------------------------------------------------------
     async def _ready(self, step: int, me: Member) -> dict[str, Member]:
@@ -164,6 +197,7 @@ class Matchmaker:
         averaging_timeout) is the round deadline a leading peer sets for every member.
         """
         loop = asyncio.get_running_loop()
+        self._reopen(step)
         t = self.config.matchmaking_time
         gather = t if gather_time is None else max(0.0, gather_time)
         gather_deadline = loop.time() + gather
@@ -210,7 +244,10 @@ class Matchmaker:
         self._lead[step] = state
         self._decision(step).set()
         while loop.time() < close_deadline:
-            ready = await self._ready(step, me)
+            try:  # a slow DHT (a dead or frozen node) must not hold the joiners past their deadline
+                ready = await asyncio.wait_for(self._ready(step, me), max(0.05, close_deadline - loop.time()))
+            except asyncio.TimeoutError:
+                break
             unreachable = self._unreachable.get(step, set())
             smaller = sorted(p for p, m in ready.items() if m.reachable and p < self.me and p not in unreachable)
             downs = self._stepped_down.setdefault(step, {})
@@ -242,13 +279,13 @@ class Matchmaker:
                       timeout)
         state.group = group
         state.held = _holds_state(members)
+        state.done.set()  # answer the joiners first: the record below can wait on a slow DHT
         if state.held:
             await self.node.store(self.node.key("closed", step), self.me, [m.peer_id for m in members],
                                   ttl=3 * self.config.matchmaking_time + self.config.averaging_timeout)
         else:
             logger.info(f"step {step}: led a group in which no member can hand the state on (clients and "
                         f"aggregators only); peers that missed it will form another")
-        state.done.set()
         logger.debug(f"step {step}: led a group of {len(members)}")
         return group
 
@@ -288,6 +325,8 @@ class Matchmaker:
             await asyncio.wait_for(self._decision(step).wait(), 2 * self.config.matchmaking_time + gather)
         except asyncio.TimeoutError:
             return {"error": f"not matchmaking for step {step}"}
+        if step in self._failed:
+            return {"missed": True, "held": False, "failed": True}
         if step in self._follow and step not in self._lead:
             return {"redirect": self._follow[step]}
         state = self._lead.get(step)
@@ -370,10 +409,10 @@ class Matchmaker:
                 leader = response["redirect"]
                 continue
             elif response.get("missed") and response.get("held") is False:
-                logger.info(f"step {step}: the round led by {leader} closed with no member that can hand "
-                            f"its state on; forming another")
-                passed_over = f"the round led by {leader} closed with no member that can hand its state on, " \
-                              f"and no other reachable peer is ready to lead"
+                why = f"{leader}'s round for this step failed" if response.get("failed") else \
+                    f"the round led by {leader} closed with no member that can hand its state on"
+                logger.info(f"step {step}: {why}; forming another")
+                passed_over = f"{why}, and no other reachable peer is ready to lead"
             elif response.get("missed"):
                 raise MissedRoundError(f"step {step}: the round led by {leader} was already closed; "
                                        f"join the next step")
