@@ -146,12 +146,16 @@ class Matchmaker:
         if led is None or led.group is None or led.group.round_id != group.round_id:
             return
         logger.info(f"step {step}: the round this peer led failed; the step is open again for the others")
-        if led.held:  # its closed record (if any) must no longer close the step
+        if led.held:  # its closed record must no longer close the step (bounded: the caller waits for this)
             try:
-                await self.node.store(self.node.key("closed", step), self.me, {"failed": True},
-                                      ttl=3 * self.config.matchmaking_time + self.config.averaging_timeout)
+                await asyncio.wait_for(self.node.store(self.node.key("closed", step), self.me, {"failed": True},
+                                                       ttl=self._closed_ttl()), self.config.matchmaking_time)
             except Exception as e:
                 logger.debug(f"step {step}: could not withdraw the closed record: {e!r}")
+
+    def _closed_ttl(self) -> float:
+        """How long a ``closed`` record lives (a withdrawal stored later outlives the record it replaces)."""
+        return 3 * self.config.matchmaking_time + self.config.averaging_timeout
 
     # ---- DHT views -----------------------------------------------------------------------------
     async def _ready(self, step: int, me: Member) -> dict[str, Member]:
@@ -282,7 +286,7 @@ class Matchmaker:
         state.done.set()  # answer the joiners first: the record below can wait on a slow DHT
         if state.held:
             await self.node.store(self.node.key("closed", step), self.me, [m.peer_id for m in members],
-                                  ttl=3 * self.config.matchmaking_time + self.config.averaging_timeout)
+                                  ttl=self._closed_ttl())
         else:
             logger.info(f"step {step}: led a group in which no member can hand the state on (clients and "
                         f"aggregators only); peers that missed it will form another")
