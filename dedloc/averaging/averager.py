@@ -5,7 +5,9 @@ dispatched to the round they name. Guarantees (beyond those of the rounds):
 - the caller's tensor is overwritten only when the whole round succeeded;
 - every call returns or raises within matchmaking (about 2x matchmaking_time) plus the round's
   timeout, which the leader sets for every member (its averaging_timeout, or the timeout its
-  caller passed), so no member gives up on a round another still serves;
+  caller passed), so no member gives up on a round another still serves; a round that fails
+  at the peer that led it takes up to one more matchmaking_time, to withdraw its closed record
+  (matchmaking rule 5);
 - a stream naming an unknown round, or with a malformed header, is answered with an ERROR
   frame and a logged reason naming the peer.
 """
