@@ -21,10 +21,62 @@ import uuid
 
 import torch
 
-from dedloc.demo.collab import DemoConfig, mlm_worker
+from dataclasses import dataclass
 
 
-def _setup(cfg: DemoConfig, blocks, tokenizer, index: int):
+@dataclass
+class BenchConfig:
+    trainers: int = 3
+    steps: int = 12
+    target_batch_size: int = 128
+    micro_batch: int = 16
+    lr: float = 3e-3
+    delay_updates: bool = False
+    seq_len: int = 64
+    vocab_size: int = 3000
+    time_limit: float = 900.0
+
+
+def token_blocks(texts: list[str], tokenizer, seq_len: int) -> torch.Tensor:
+    """All texts as one token stream cut into ``[CLS] ... [SEP]`` blocks of ``seq_len``: (N, seq_len) int64.
+    In memory, so that both collaborations read the same samples at no cost."""
+    ids: list[int] = []
+    for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(tokenizer.sep_token_id)
+    body = seq_len - 2
+    n = len(ids) // body
+    blocks = torch.tensor(ids[: n * body], dtype=torch.long).view(n, body)
+    cls = torch.full((n, 1), tokenizer.cls_token_id, dtype=torch.long)
+    sep = torch.full((n, 1), tokenizer.sep_token_id, dtype=torch.long)
+    return torch.cat([cls, blocks, sep], dim=1)
+
+
+def mlm_worker(cfg: BenchConfig, blocks: torch.Tensor, tokenizer, index: int):
+    """(model, micro_step): the tiny-mlm recipe's model (the same on every peer), peer ``index``'s
+    shard of the blocks (every trainers-th, cycled) and its own masks."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from dedloc.recipes import get_recipe
+
+    model = get_recipe("tiny-mlm", seq_len=cfg.seq_len).build_model(len(tokenizer))
+    torch.manual_seed(1 + index)
+    collate = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
+    shard = blocks[index::cfg.trainers]
+    pos = [0]
+
+    def micro_step(n: int) -> float:
+        rows = [shard[(pos[0] + i) % len(shard)] for i in range(n)]
+        pos[0] += n
+        batch = collate([{"input_ids": r} for r in rows])
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss.backward()
+        return loss.item()
+
+    return model, micro_step
+
+
+def _setup(cfg: BenchConfig, blocks, tokenizer, index: int):
     torch.set_num_threads(1)
     return mlm_worker(cfg, blocks, tokenizer, index)
 
@@ -33,7 +85,7 @@ def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def single(cfg: DemoConfig, blocks, tokenizer, out) -> None:
+def single(cfg: BenchConfig, blocks, tokenizer, out) -> None:
     model, micro_step = _setup(cfg, blocks, tokenizer, 0)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     start, samples = None, 0
@@ -53,7 +105,7 @@ def single(cfg: DemoConfig, blocks, tokenizer, out) -> None:
     out.put({"sps": samples / (time.monotonic() - start), "batches": [cfg.target_batch_size] * cfg.steps})
 
 
-def dedloc_peer(cfg: DemoConfig, blocks, tokenizer, index: int, run_id: str, initial, out, go) -> None:
+def dedloc_peer(cfg: BenchConfig, blocks, tokenizer, index: int, run_id: str, initial, out, go) -> None:
     from dedloc.config import OptimizerConfig, PeerConfig
     from dedloc.demo.collab import AVERAGING
     from dedloc.optim import CollaborativeOptimizer, StepOutcome
@@ -79,7 +131,7 @@ def dedloc_peer(cfg: DemoConfig, blocks, tokenizer, index: int, run_id: str, ini
         out.put(("done", index, samples, start, end, _flat(model), [r.batch for r in opt.history]))
 
 
-def hivemind_peer(cfg: DemoConfig, blocks, tokenizer, index: int, run_id: str, initial, out, go) -> None:
+def hivemind_peer(cfg: BenchConfig, blocks, tokenizer, index: int, run_id: str, initial, out, go) -> None:
     import hivemind
 
     model, micro_step = _setup(cfg, blocks, tokenizer, index)
@@ -128,7 +180,7 @@ def _expect(out, kind: str, timeout: float):
     return msg
 
 
-def collaboration(worker, cfg: DemoConfig, blocks, tokenizer, ctx) -> dict:
+def collaboration(worker, cfg: BenchConfig, blocks, tokenizer, ctx) -> dict:
     """Run N peers of ``worker``; all join before any trains, so the measurement covers N peers."""
     out, go = ctx.Queue(), ctx.Event()
     run_id = "bench" + uuid.uuid4().hex[:8]
@@ -169,10 +221,11 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--skip-hivemind", action="store_true")
     args = parser.parse_args()
-    from dedloc.demo.corpus import stdlib_docstrings, token_blocks, train_tokenizer
+    from dedloc.data.tokenizer import train_tokenizer
+    from dedloc.demo.corpus import stdlib_docstrings
 
-    cfg = DemoConfig(trainers=args.peers, steps=args.steps, target_batch_size=args.target_batch_size,
-                     micro_batch=args.micro_batch).validate()
+    cfg = BenchConfig(trainers=args.peers, steps=args.steps, target_batch_size=args.target_batch_size,
+                      micro_batch=args.micro_batch)
     texts = stdlib_docstrings()
     tokenizer = train_tokenizer(texts, cfg.vocab_size)
     blocks = token_blocks(texts, tokenizer, cfg.seq_len)

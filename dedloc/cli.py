@@ -53,10 +53,24 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...]
         if hint is bool or bool in typing.get_args(hint):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif isinstance(default, tuple):
-            parser.add_argument(flag, nargs="*", default=list(default), help=help_text)
+            item = next((t for t in (int, float) if t in typing.get_args(hint)), str)
+            parser.add_argument(flag, nargs="*", type=item, default=list(default), action=_Repeatable,
+                                help=help_text)
         else:
             kind = next((t for t in (int, float, str) if t is hint or t in typing.get_args(hint)), str)
             parser.add_argument(flag, type=kind, default=default, help=help_text)
+
+
+class _Repeatable(argparse.Action):
+    """A list option that may be given more than once (``--data a --data b c``): the first use
+    replaces the default, later ones add to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = getattr(namespace, "_repeated", set())
+        current = list(getattr(namespace, self.dest)) if self.dest in seen else []
+        seen.add(self.dest)
+        setattr(namespace, "_repeated", seen)
+        setattr(namespace, self.dest, current + list(values))
 
 
 def from_args(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = ()) -> Any:
@@ -66,10 +80,23 @@ def from_args(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = ()) -
     return from_dict(cls, {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in skip})
 
 
+def _recipe_named(argv: list[str] | None) -> str:
+    """The ``--recipe`` on the command line (its fields' defaults depend on it)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--recipe", default="tiny-mlm")
+    return pre.parse_known_args(argv)[0].recipe
+
+
 def main(argv: list[str] | None = None) -> int:
     from dedloc.config import PUBLIC_HOST_MADDRS, AveragingConfig, BackboneConfig, PeerConfig
+    from dedloc.data.mlm import DataConfig
+    from dedloc.data.tokenizer import TokenizerConfig
     from dedloc.demo.collab import DemoConfig
+    from dedloc.recipes.mlm import RECIPES, MLMRecipe
+    from dedloc.roles.trainer import TrainConfig
 
+    recipe_name = _recipe_named(argv)
+    recipe_defaults = dataclasses.asdict(RECIPES.get(recipe_name, RECIPES["tiny-mlm"]))
     parser = argparse.ArgumentParser(prog="dedloc", description="Collaborative deep learning (DeDLOC).")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run a local collaboration pretraining a small ALBERT on this machine")
@@ -79,6 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--rounds", type=int, default=3, help="--averaging: rounds (default 3)")
     demo.add_argument("--verbose", action="store_true", help="log every event at INFO")
     add_fields(demo, DemoConfig)
+    add_fields(demo, MLMRecipe, skip=RECIPE_SET_BY_DEMO)
+    train = sub.add_parser("train", help="join a collaboration and train (the recipe's options default to "
+                                         "the chosen --recipe's values)")
+    add_fields(train, TrainConfig)
+    add_fields(train, MLMRecipe, defaults=recipe_defaults)
+    add_fields(train, DataConfig)
+    add_fields(train, PeerConfig, defaults={"log_level": "WARNING"})
+    add_fields(train, AveragingConfig, skip=("aggregator_only", "compression"))
+    tokenizer = sub.add_parser("tokenizer", help="train the run's tokenizer from its data sources "
+                                                 "(Unigram, NFKC; sahajBERT's kind)")
+    tokenizer.add_argument("--recipe", default="tiny-mlm", help="take --vocab-size from this recipe")
+    add_fields(tokenizer, TokenizerConfig, defaults={"vocab_size": recipe_defaults["vocab_size"]})
     backbone = sub.add_parser("backbone", help="run a CPU-only backbone peer: DHT, checkpoints, state for newcomers")
     add_fields(backbone, PeerConfig, skip=("client_mode",), defaults={"host_maddrs": PUBLIC_HOST_MADDRS})
     add_fields(backbone, BackboneConfig)
@@ -101,12 +140,28 @@ def main(argv: list[str] | None = None) -> int:
                 return 0 if all(r["identical"] and r["max_err"] < 1e-4 for r in out["rounds"]) else 1
             from dedloc.demo.collab import run
 
-            summary = run(from_args(DemoConfig, args), log_level="INFO" if args.verbose else "WARNING")
+            summary = run(from_args(DemoConfig, args), from_args(MLMRecipe, args, skip=RECIPE_SET_BY_DEMO),
+                          log_level="INFO" if args.verbose else "WARNING")
             ok = summary["loss_last_avg"] < summary["loss_first_avg"] and summary["max_param_diff"] == 0.0
             if not ok:
                 print("dedloc: the demo did not train correctly (loss did not fall, or peers differ)",
                       file=sys.stderr)
             return 0 if ok else 1
+        if args.command == "train":
+            if args.recipe not in RECIPES:
+                raise DedlocError(f"unknown recipe {args.recipe!r} (known: {', '.join(RECIPES)})")
+            from dedloc.roles.train_command import train
+
+            return train(from_args(TrainConfig, args), from_args(MLMRecipe, args), from_args(DataConfig, args),
+                         from_args(PeerConfig, args),
+                         from_args(AveragingConfig, args, skip=("aggregator_only", "compression")))
+        if args.command == "tokenizer":
+            from dedloc.data.tokenizer import build
+
+            config = from_args(TokenizerConfig, args)
+            tok = build(config)
+            print(f"tokenizer: vocabulary {len(tok)}, written to {config.out}; train with --tokenizer {config.out}")
+            return 0
         if args.command == "backbone":
             return _backbone(from_args(PeerConfig, args, skip=("client_mode",)), from_args(BackboneConfig, args))
         if args.command == "aggregator":
@@ -119,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         print("dedloc: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+RECIPE_SET_BY_DEMO = ("total_steps", "warmup_steps")
+"""The demo's schedule spans its --steps."""
 
 
 def _backbone(peer_config, backbone_config) -> int:

@@ -35,3 +35,7 @@ class RuntimeClosedError(DedlocError):
 
 class StateError(DedlocError):
     """No peer could provide the collaboration's training state (joining or resyncing failed)."""
+
+
+class DataError(DedlocError):
+    """A data source or tokenizer is missing, empty or malformed; the message names it."""

@@ -1,21 +1,15 @@
 """The demo's data, built at run time from text already on the machine: the standard library's docstrings.
 
-Nothing is downloaded and no text is stored in the repository. The tokenizer is trained on the
-corpus with ``tokenizers``; examples are fixed-length token blocks; each peer streams its own
-shard through a shuffle buffer.
+Nothing is downloaded and no text is stored in the repository. The docstrings are written as a
+local JSON-lines file, which the demo's peers then read like any other ``--data`` source.
 """
 
 from __future__ import annotations
 
 import ast
-import random
+import json
 import sysconfig
 from pathlib import Path
-from typing import Iterator
-
-import torch
-
-SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 def stdlib_docstrings(max_files: int = 1500) -> list[str]:
@@ -39,44 +33,10 @@ def stdlib_docstrings(max_files: int = 1500) -> list[str]:
     return texts
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """A WordPiece tokenizer trained on ``texts``, wrapped for transformers."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]")
-
-
-def token_blocks(texts: list[str], tokenizer, seq_len: int) -> torch.Tensor:
-    """All texts as one token stream cut into ``[CLS] ... [SEP]`` blocks of ``seq_len``: (N, seq_len) int64."""
-    ids: list[int] = []
-    for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
-        ids.extend(enc)
-        ids.append(tokenizer.sep_token_id)
-    body = seq_len - 2
-    n = len(ids) // body
-    blocks = torch.tensor(ids[: n * body], dtype=torch.long).view(n, body)
-    cls = torch.full((n, 1), tokenizer.cls_token_id, dtype=torch.long)
-    sep = torch.full((n, 1), tokenizer.sep_token_id, dtype=torch.long)
-    return torch.cat([cls, blocks, sep], dim=1)
-
-
-def shard_stream(blocks: torch.Tensor, shard: int, shards: int, buffer: int, seed: int) -> Iterator[torch.Tensor]:
-    """Endless stream of this peer's shard (every ``shards``-th block), shuffled through a buffer."""
-    rng = random.Random(seed)
-    pool: list[torch.Tensor] = []
-    epoch = 0
-    while True:
-        for i in range(shard, len(blocks), shards):
-            pool.append(blocks[i])
-            if len(pool) >= buffer:
-                yield pool.pop(rng.randrange(len(pool)))
-        epoch += 1
-        if epoch > 1000 and not pool:
-            return
+def write_corpus(path: Path, max_files: int = 1500) -> int:
+    """Write the docstrings to ``path`` as JSON lines (``{"text": ...}``); returns how many."""
+    texts = stdlib_docstrings(max_files)
+    with open(path, "w", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+    return len(texts)

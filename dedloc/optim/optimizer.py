@@ -240,6 +240,11 @@ class CollaborativeOptimizer:
             logger.debug(f"could not announce leaving: {e!r}")
 
     @property
+    def view(self) -> CollaborationView | None:
+        """The collaboration's progress as this peer last read it (None before the first read)."""
+        return self._seen.view if self._seen is not None else None
+
+    @property
     def samples_per_second(self) -> float:
         """This peer's smoothed training speed (what it publishes)."""
         return self._sps.value

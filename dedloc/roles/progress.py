@@ -1,0 +1,74 @@
+"""The live progress table shared by ``dedloc train`` and ``dedloc demo`` (rich)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dedloc.records import CollaborationView
+
+
+@dataclass
+class StepEvent:
+    """One global step as one trainer saw it."""
+
+    step: int
+    loss_sum: float
+    """Sum of this peer's per-sample losses over its micro-batches of this step."""
+    samples: int
+    """This peer's samples in the step."""
+    batch: float | None
+    """The realised global batch (None when not known yet, e.g. with delayed updates)."""
+    samples_per_second: float
+
+
+class ProgressDisplay:
+    """Loss per global step (pooled over the trainers that report to it), speed, batch, peers."""
+
+    def __init__(self, title: str, total_steps: int | None = None):
+        self.title, self.total_steps = title, total_steps
+        self.loss: dict[int, list[float]] = {}
+        self.batch: dict[int, float] = {}
+        self.sps: dict[Any, float] = {}
+        self.resyncs = 0
+        self.view: CollaborationView | None = None
+        self.checkpoint = -1
+        self.started = time.monotonic()
+
+    def add(self, event: StepEvent, source: Any = 0) -> None:
+        acc = self.loss.setdefault(event.step, [0.0, 0])
+        acc[0] += event.loss_sum
+        acc[1] += event.samples
+        if event.batch is not None:
+            self.batch[event.step] = event.batch
+        self.sps[source] = event.samples_per_second
+
+    def step_loss(self, step: int) -> float | None:
+        total = self.loss.get(step)
+        return total[0] / total[1] if total and total[1] else None
+
+    def curve(self) -> tuple[list[int], list[float]]:
+        steps = sorted(s for s in self.loss if self.step_loss(s) is not None)
+        return steps, [self.step_loss(s) for s in steps]
+
+    def render(self):
+        from rich.console import Group
+        from rich.table import Table
+
+        steps, curve = self.curve()
+        step = steps[-1] + 1 if steps else 0
+        table = Table(title=self.title, expand=False)
+        for col in ("global step", "loss", "samples/s", "batch", "checkpoint", "elapsed"):
+            table.add_column(col)
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        table.add_row(f"{step}{total}", f"{curve[-1]:.3f}" if curve else "-", f"{sum(self.sps.values()):.0f}",
+                      f"{self.batch.get(step - 1, 0):.0f}", str(self.checkpoint) if self.checkpoint >= 0 else "-",
+                      f"{time.monotonic() - self.started:.0f} s")
+        peers = Table(title="peers", expand=False)
+        for col in ("peer", "role", "step", "samples", "samples/s"):
+            peers.add_column(col)
+        if self.view is not None:
+            for r in self.view.peers:
+                peers.add_row(r.peer_id[-8:], r.role.value, str(r.step), str(r.samples), f"{r.samples_per_second:.0f}")
+        return Group(table, peers)

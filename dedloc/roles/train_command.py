@@ -1,0 +1,77 @@
+"""``dedloc train``: one trainer peer in the foreground, with live progress, until done or stopped.
+
+SIGTERM and Ctrl+C stop it between micro-batches; the data position is saved and the peer leaves
+cleanly (no daemon or DataLoader worker is left behind). With ``--out``, ``summary.json`` and
+``loss.png`` are written at the end, however it ended.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+from dedloc.config import AveragingConfig, PeerConfig
+from dedloc.data.mlm import DataConfig
+from dedloc.recipes.mlm import MLMRecipe
+from dedloc.roles.trainer import TrainConfig, Trainer
+
+
+def train(config: TrainConfig, recipe: MLMRecipe, data: DataConfig, peer_config: PeerConfig,
+          averaging: AveragingConfig) -> int:
+    """Run a trainer until ``max_steps`` or a stop signal; 0 on success."""
+    import logging
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from dedloc.logs import configure
+    from dedloc.roles.progress import ProgressDisplay
+    from dedloc.roles.report import write_outputs
+
+    configure(peer_config.log_level)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    console = Console()
+    with console.status("checking the data and tokenizer, joining the collaboration"):
+        trainer = Trainer(config, recipe, data, peer_config, averaging)
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    display = ProgressDisplay(f"dedloc train: {config.recipe} on {trainer.device} as {trainer.peer_id[-8:]}",
+                              config.max_steps)
+    console.print(f"peer {trainer.peer_id} joined at global step {trainer.opt.global_step}; "
+                  f"identity and data position in {trainer.state_dir}")
+    last_view = [0.0]
+
+    def on_step(event) -> None:
+        display.add(event)
+        if time.monotonic() - last_view[0] > 1.0:
+            display.view, last_view[0] = trainer.opt.view, time.monotonic()
+        live.update(display.render())
+
+    def on_resync(step: int) -> None:
+        display.resyncs += 1
+
+    summary = None
+    try:
+        with Live(display.render(), console=console, refresh_per_second=4) as live:
+            try:
+                summary = trainer.run(stop, on_step=on_step, on_resync=on_resync)
+            except KeyboardInterrupt:
+                summary = trainer.summary(time.monotonic() - display.started)
+                console.print("interrupted: leaving the collaboration")
+        console.print()  # the live table leaves the cursor on its last line
+        if config.max_steps is not None and trainer.opt.global_step >= config.max_steps:
+            with console.status("handing the final state to a backbone"):
+                trainer.hand_over(stop)
+        steps = summary["steps"]
+        console.print(f"stopped at global step {summary['global_step']}: took part in {len(steps)} steps, "
+                      f"{summary['samples']} samples" + (f", loss {summary['loss_first']:.3f} -> "
+                                                        f"{summary['loss_last']:.3f}" if steps else ""))
+        if config.out:
+            paths = write_outputs(config.out, summary, steps, summary["loss_per_step"],
+                                  f"dedloc train: {config.recipe}")
+            console.print(f"wrote {paths[0]} and {paths[1]}")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        trainer.close()
+    return 0
