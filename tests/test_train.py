@@ -1,0 +1,90 @@
+"""`dedloc train` end to end, as volunteers run it: a backbone and two trainer commands on one
+corpus; both stop at --max-steps with identical parameters, handing the final state to the
+backbone; one restarts with the same state directory, keeps its peer id, resumes the
+collaboration's state and continues its data where it stopped."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dedloc.cli import main
+
+from conftest import run_id
+
+
+def corpus(path, n=400):
+    words = [f"w{i}" for i in range(120)]
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": f"doc {i} " + " ".join(words[(i * 13 + j * 7) % 120] for j in range(30))}) + "\n")
+
+
+def dedloc(*args):
+    return [sys.executable, "-m", "dedloc.cli", *args]
+
+
+@pytest.mark.timeout(280)
+def test_two_trainers_then_a_restart_resumes_identity_state_and_data(tmp_path):
+    corpus(tmp_path / "corpus.jsonl")
+    assert main(["tokenizer", "--data", str(tmp_path / "corpus.jsonl"), "--vocab-size", "200",
+                 "--out", str(tmp_path / "tok")]) == 0
+    run = run_id()
+    backbone = subprocess.Popen(dedloc("backbone", "--run-id", run, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                                       "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "2",
+                                       "--log-level", "WARNING"),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        line = backbone.stdout.readline()
+        maddr = re.search(r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", line)
+        assert maddr, line
+        common = ["--run-id", run, "--initial-peers", maddr.group(1), "--tokenizer", str(tmp_path / "tok"),
+                  "--data", str(tmp_path / "corpus.jsonl"), "--target-batch-size", "24", "--micro-batch", "4",
+                  "--hidden-size", "32", "--intermediate-size", "64", "--embedding-size", "16", "--layers", "1",
+                  "--seq-len", "32", "--shuffle-buffer", "32", "--log-level", "INFO"]
+
+        def trainer(i, steps):
+            return subprocess.Popen(dedloc("train", *common, "--state-dir", str(tmp_path / f"peer{i}"),
+                                           "--max-steps", str(steps), "--out", str(tmp_path / f"out{i}-{steps}")),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
+
+        def finish(proc):
+            try:
+                out, _ = proc.communicate(timeout=150)
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            assert proc.returncode == 0, out[-4000:]
+            return out
+
+        first = [trainer(0, 4), trainer(1, 4)]
+        logs = [finish(p) for p in first]
+        a, b = (json.loads((tmp_path / f"out{i}-4" / "summary.json").read_text()) for i in range(2))
+        assert a["global_step"] == b["global_step"] == 4
+        assert a["parameters_sha256"] == b["parameters_sha256"], "the two trainers' parameters differ"
+        assert a["peer_id"] != b["peer_id"]
+        assert sorted(set(a["steps"]) | set(b["steps"])) == [0, 1, 2, 3]
+        assert (tmp_path / "out0-4" / "loss.png").stat().st_size > 1000
+        # the last one out handed step 4 to the backbone before leaving
+        assert (tmp_path / "ckpt" / "state-00000004.pt").exists(), logs
+
+        again = trainer(0, 6)
+        log = finish(again)
+        c = json.loads((tmp_path / "out0-6" / "summary.json").read_text())
+        assert c["peer_id"] == a["peer_id"], "the restarted peer has a new identity"
+        assert c["global_step"] == 6 and c["steps"] == [4, 5], log  # resumed from the collaboration's step 4
+        assert f"resuming the data stream after {a['samples']} samples" in log
+        assert c["samples"] > a["samples"]
+    finally:
+        backbone.send_signal(signal.SIGTERM)
+        try:
+            backbone.wait(30)
+        finally:
+            if backbone.poll() is None:
+                os.killpg(backbone.pid, signal.SIGKILL)
