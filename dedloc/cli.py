@@ -11,6 +11,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import json
 import signal
 import sys
 import textwrap
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from dedloc.data.tokenizer import TokenizerConfig
     from dedloc.demo.collab import DemoConfig
     from dedloc.recipes.mlm import RECIPES, MLMRecipe
+    from dedloc.roles.finetune import FinetuneConfig
     from dedloc.roles.trainer import TrainConfig
 
     recipe_name = _recipe_named(argv)
@@ -118,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
                                                  "(Unigram, NFKC; sahajBERT's kind)")
     tokenizer.add_argument("--recipe", default="tiny-mlm", help="take --vocab-size from this recipe")
     add_fields(tokenizer, TokenizerConfig, defaults={"vocab_size": recipe_defaults["vocab_size"]})
+    finetune = sub.add_parser("finetune", help="fine-tune a checkpoint on NER (seqeval F1) or classification "
+                                               "(accuracy) and print the validation metrics")
+    add_fields(finetune, FinetuneConfig)
+    add_fields(finetune, MLMRecipe, skip=tuple(f.name for f in dataclasses.fields(MLMRecipe)
+                                               if f.name not in MODEL_SHAPE), defaults=recipe_defaults)
     backbone = sub.add_parser("backbone", help="run a CPU-only backbone peer: DHT, checkpoints, state for newcomers")
     add_fields(backbone, PeerConfig, skip=("client_mode",), defaults={"host_maddrs": PUBLIC_HOST_MADDRS})
     add_fields(backbone, BackboneConfig)
@@ -162,6 +169,14 @@ def main(argv: list[str] | None = None) -> int:
             tok = build(config)
             print(f"tokenizer: vocabulary {len(tok)}, written to {config.out}; train with --tokenizer {config.out}")
             return 0
+        if args.command == "finetune":
+            from dedloc.recipes import get_recipe
+            from dedloc.roles.finetune import finetune as run_finetune
+
+            config = from_args(FinetuneConfig, args)
+            metrics = run_finetune(config, get_recipe(config.recipe, **{k: getattr(args, k) for k in MODEL_SHAPE}))
+            print(json.dumps(metrics))
+            return 0
         if args.command == "backbone":
             return _backbone(from_args(PeerConfig, args, skip=("client_mode",)), from_args(BackboneConfig, args))
         if args.command == "aggregator":
@@ -176,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+MODEL_SHAPE = ("hidden_size", "layers", "heads", "embedding_size", "intermediate_size", "seq_len")
+"""The recipe fields `dedloc finetune` takes: the pretrained model's shape."""
 RECIPE_SET_BY_DEMO = ("total_steps", "warmup_steps")
 """The demo's schedule spans its --steps."""
 
