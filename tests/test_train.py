@@ -1,7 +1,7 @@
 """`dedloc train` end to end, as volunteers run it: a backbone and two trainer commands on one
 corpus; both stop at --max-steps with identical parameters, handing the final state to the
 backbone; one restarts with the same state directory, keeps its peer id, resumes the
-collaboration's state and continues its data where it stopped."""
+collaboration's state, continues its data where it stopped, and Ctrl+C leaves no process behind."""
 
 import json
 import os
@@ -9,10 +9,12 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from dedloc.cli import main
+from dedloc.testing.procs import children, processes
 
 from conftest import run_id
 
@@ -22,6 +24,24 @@ def corpus(path, n=400):
     with open(path, "w") as f:
         for i in range(n):
             f.write(json.dumps({"text": f"doc {i} " + " ".join(words[(i * 13 + j * 7) % 120] for j in range(30))}) + "\n")
+
+
+def descendants(pid):
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [c for p in frontier for c in children(p)]
+        found += kids
+        frontier = kids
+    return found
+
+
+def alive(pids):
+    deadline = time.monotonic() + 10  # a process being reaped by its parent
+    while True:
+        left = [p for p, *_ in processes() if p in set(pids)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 def dedloc(*args):
@@ -48,8 +68,9 @@ def test_two_trainers_then_a_restart_resumes_identity_state_and_data(tmp_path):
                   "--seq-len", "32", "--shuffle-buffer", "32", "--log-level", "INFO"]
 
         def trainer(i, steps):
-            return subprocess.Popen(dedloc("train", *common, "--state-dir", str(tmp_path / f"peer{i}"),
-                                           "--max-steps", str(steps), "--out", str(tmp_path / f"out{i}-{steps}")),
+            limit = ["--max-steps", str(steps)] if steps else []
+            return subprocess.Popen(dedloc("train", *common, "--state-dir", str(tmp_path / f"peer{i}"), *limit,
+                                           "--out", str(tmp_path / f"out{i}-{steps}")),
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     start_new_session=True)
 
@@ -73,13 +94,23 @@ def test_two_trainers_then_a_restart_resumes_identity_state_and_data(tmp_path):
         # the last one out handed step 4 to the backbone before leaving
         assert (tmp_path / "ckpt" / "state-00000004.pt").exists(), logs
 
-        again = trainer(0, 6)
+        # restarted without --max-steps, it trains until Ctrl+C, which leaves nothing behind
+        again = trainer(0, 0)
+        position = tmp_path / "peer0" / "data-position.json"
+        deadline = time.monotonic() + 120
+        while json.loads(position.read_text())["samples"] < a["samples"] + 2 * 24:  # two more global steps
+            assert again.poll() is None and time.monotonic() < deadline, again.stdout.read()[-4000:]
+            time.sleep(0.2)
+        family = descendants(again.pid)
+        assert len(family) >= 3, family  # the DataLoader worker, the peer's runtime and its p2p daemon
+        again.send_signal(signal.SIGINT)
         log = finish(again)
-        c = json.loads((tmp_path / "out0-6" / "summary.json").read_text())
+        c = json.loads((tmp_path / "out0-0" / "summary.json").read_text())
         assert c["peer_id"] == a["peer_id"], "the restarted peer has a new identity"
-        assert c["global_step"] == 6 and c["steps"] == [4, 5], log  # resumed from the collaboration's step 4
+        assert c["steps"][0] == 4 and len(c["steps"]) >= 2, log  # resumed from the collaboration's step 4
         assert f"resuming the data stream after {a['samples']} samples" in log
-        assert c["samples"] > a["samples"]
+        assert c["samples"] >= a["samples"] + 2 * 24
+        assert alive(family) == [], "a process outlived Ctrl+C"
     finally:
         backbone.send_signal(signal.SIGTERM)
         try:
