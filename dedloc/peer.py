@@ -112,7 +112,7 @@ class Peer:
         if not tensor.is_floating_point():
             raise AveragingError(f"can only average floating-point tensors, got {tensor.dtype}")
         buf = self._buffer(tensor.numel())
-        buf.copy_(tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32))
+        buf.copy_(tensor.detach().reshape(-1))  # one copy, from any device and dtype, into shared memory
         fut = self.runtime.call_async("average", f"b{tensor.numel()}", step, float(weight), expected_peers, timeout,
                                       gather_time)
 

@@ -14,20 +14,21 @@ from test_optimizer import data, flat, make_model, start
 OVERFLOW_STEP = 2
 
 
-def train(peer, index, steps, poison, out):
+def train(peer, index, steps, poison, out, device="cpu"):
     try:
-        x, y = data()
-        model = make_model()
+        x, y = (t.to(device) for t in data())
+        model = make_model().to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=3)
+        scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 12, growth_interval=3)
+        dtype = torch.float16 if device == "cuda" else torch.bfloat16
         copt = CollaborativeOptimizer(opt, peer, OptimizerConfig(target_batch_size=32), scaler=scaler, model=model)
         params, scales, outcomes = {0: flat(model)}, {0: scaler.get_scale()}, {}
-        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(index))
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(index)).to(device)
         pos = 0
         while copt.global_step < steps:
             ids = order[pos:pos + 8]
             pos += 8
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=dtype):
                 loss = torch.nn.functional.mse_loss(model(x[ids]).float(), y[ids])
             if poison and copt.global_step == OVERFLOW_STEP:
                 loss = loss * float("inf")  # this peer's gradients overflow during this step
@@ -35,7 +36,7 @@ def train(peer, index, steps, poison, out):
             outcome = copt.step(len(ids))
             if outcome in (StepOutcome.STEPPED, StepOutcome.SKIPPED):
                 outcomes[copt.history[-1].step] = outcome
-                params[copt.applied_step] = flat(model)
+                params[copt.applied_step] = flat(model).cpu()
                 scales[copt.applied_step] = scaler.get_scale()
         copt.close()
         out[index] = (params, scales, outcomes)
@@ -44,12 +45,14 @@ def train(peer, index, steps, poison, out):
 
 
 @pytest.mark.timeout(180)
-def test_overflow_on_one_peer_skips_the_step_on_all():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="fp16 with GradScaler on CUDA needs a GPU"))])
+def test_overflow_on_one_peer_skips_the_step_on_all(device):
     torch.set_num_threads(1)
     peers = start(2, run_id())
     out = {}
     try:
-        threads = [threading.Thread(target=train, args=(p, i, 6, i == 1, out)) for i, p in enumerate(peers)]
+        threads = [threading.Thread(target=train, args=(p, i, 6, i == 1, out, device)) for i, p in enumerate(peers)]
         for t in threads:
             t.start()
         for t in threads:

@@ -78,6 +78,7 @@ def _trainer(index: int, spec: dict[str, Any], recipe: MLMRecipe, data: DataConf
         trainer.run(on_step=lambda e: events.put(("step", index, e)),
                     on_resync=lambda step: events.put(("resync", index, step)))
         trainer.opt.offer_state()  # the backbone takes the final checkpoint before we leave
+        trainer.opt.report()  # and sees that we hold it (the last record named the step before)
         events.put(("final", index, trainer.parameters_vector().numpy(),
                     [dataclasses.asdict(r) for r in trainer.opt.history]))
         release.wait(120)

@@ -42,8 +42,9 @@ class GradientAccumulator:
         self.micro_batches += 1
 
     def export(self) -> tuple[torch.Tensor, bool]:
-        """(vector of numel + 1 float32 on CPU, finite) for averaging; the vector is a fresh copy."""
-        out = torch.zeros(self.numel + 1, dtype=torch.float32)
+        """(vector of numel + 1 float32, finite) for averaging; a fresh tensor on the parameters' device
+        (a CUDA vector then crosses to the host once, straight into the peer's shared buffer)."""
+        out = torch.zeros(self.numel + 1, dtype=torch.float32, device=self.device)
         if self.samples == 0:
             return out, True
         mean = self.sum / self.samples

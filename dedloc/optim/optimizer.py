@@ -223,6 +223,14 @@ class CollaborativeOptimizer:
         self._wanted = False
         self.peer.offer_state(self.applied_step, snapshot.encode(self.state_dict()))
 
+    def report(self) -> CollaborationView:
+        """Publish this peer's progress now (step, samples, parameter hash) and read everyone's.
+
+        The training loop's ``step`` does this by itself; call it when the loop has stopped but the
+        peer stays, e.g. before leaving, so that the others (a backbone) see the step it holds: the
+        record sent before its last round still names the step before."""
+        return self._report(busy=False)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._zero_grads()
 

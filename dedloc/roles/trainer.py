@@ -203,7 +203,7 @@ class Trainer:
         deadline = time.monotonic() + timeout
         waiting = False
         while True:
-            backbones = [r for r in self.peer.collaboration().peers if r.role == Role.BACKBONE]
+            backbones = [r for r in self.opt.report().peers if r.role == Role.BACKBONE]  # they see our step
             if any(r.step >= step for r in backbones):
                 return True
             if not backbones or time.monotonic() >= deadline or (stop is not None and stop.is_set()):
