@@ -14,7 +14,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
 from dedloc.averaging.matchmaking import Matchmaker
-from dedloc.averaging.wire import Kind, read_header, read_payload_into, write_frame
+from dedloc.averaging.wire import VERSION, Kind, read_header, read_payload_into, write_frame
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import AveragingError, MatchmakingError, ProtocolError, RuntimeClosedError
 from dedloc.net import rpc
@@ -264,3 +264,35 @@ def test_busy_training_thread_does_not_stall_networking(make_peers):
     stats = [finish() for _, finish in pending]
     assert all(s["group_size"] == 2 for s in stats)
     assert torch.equal(xs[0], torch.full((100_000,), 0.5)) and torch.equal(xs[1], xs[0])
+
+
+def test_join_requests_for_far_steps_cannot_crowd_out_the_current_step(make_peers):
+    """A flood of join requests for far-future steps used to evict the current step's matchmaking
+    state (every later round on that peer then failed with KeyError). Now each is refused, by name,
+    and the honest peers' rounds go on, exact."""
+    peers = make_peers(2, averaging=AveragingConfig(matchmaking_time=2, averaging_timeout=20))
+    xs = [torch.full((100,), 1.0), torch.full((100,), 3.0)]
+    with cf.ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda a: a[0].average(a[1], step=0, weight=1.0, expected_peers=2), zip(peers, xs)))
+    assert torch.equal(xs[0], torch.full((100,), 2.0))
+
+    async def flood(initial):
+        node = await Node.create(PeerConfig(run_id=peers[0].config.run_id, initial_peers=tuple(initial)))
+        try:
+            request = {"v": 0, "w": 1.0, "s": 1.0, "c": False}
+            answers = await asyncio.gather(*(
+                rpc.call(node.p2p, PeerID.from_base58(p.peer_id), f"dedloc.{node.config.run_id}.join",
+                         dict(request, v=VERSION,
+                              step=1000 + k), timeout=10)
+                for p in peers for k in range(120)))
+        finally:
+            await node.shutdown()
+        return answers
+
+    answers = asyncio.run(flood(peers[0].maddrs))
+    assert all("is not near this peer's step 0" in a.get("error", "") for a in answers), answers[:3]
+    for step in (1, 2):
+        xs = [torch.full((100,), 1.0 + step), torch.full((100,), 3.0 + step)]
+        with cf.ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda a: a[0].average(a[1], step=step, weight=1.0, expected_peers=2), zip(peers, xs)))
+        assert torch.equal(xs[0], torch.full((100,), 2.0 + step)) and torch.equal(xs[1], xs[0])

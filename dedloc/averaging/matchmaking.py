@@ -47,6 +47,11 @@ from dedloc.net.node import Node
 logger = logging.getLogger(__name__)
 POLL = 0.05
 KEEP_STEPS = 64
+"""Steps below the one this peer last matched for whose matchmaking state it keeps."""
+JOIN_AHEAD = 2
+"""A join request may name at most this many steps beyond the step this peer last matched for (a
+leader publishes its ready record, and so reaches the step, before anyone can ask it). Requests
+outside the window are refused, so no stream of requests can crowd the current step's state out."""
 MAX_STEP_DOWNS = 3
 """Times a leader steps down for the same smaller peer in one step (a transient redirect resolves
 in one or two; a peer that follows a leader this one cannot reach never does)."""
@@ -112,6 +117,9 @@ class Matchmaker:
         and failing to reach them would loop until the deadline)."""
         self._failed: set[int] = set()
         """Steps whose round failed at this peer and that it has not started matchmaking for again."""
+        self._newest = -1
+        """The step this peer last started matchmaking for (the window of joins it accepts follows it,
+        also back, after the collaboration resumed from an older checkpoint)."""
 
     async def start(self) -> None:
         if self.node.reachable:  # only a reachable peer ever leads
@@ -120,7 +128,7 @@ class Matchmaker:
     def _decision(self, step: int) -> asyncio.Event:
         if step not in self._decided:
             self._decided[step] = asyncio.Event()
-            for old in sorted(self._decided)[:-KEEP_STEPS]:
+            for old in [s for s in self._decided if s < min(step, self._newest - KEEP_STEPS)]:
                 self._decided.pop(old, None)
                 self._lead.pop(old, None)
                 self._follow.pop(old, None)
@@ -201,6 +209,7 @@ class Matchmaker:
         averaging_timeout) is the round deadline a leading peer sets for every member.
         """
         loop = asyncio.get_running_loop()
+        self._newest = step
         self._reopen(step)
         t = self.config.matchmaking_time
         gather = t if gather_time is None else max(0.0, gather_time)
@@ -322,6 +331,8 @@ class Matchmaker:
             incarnation = str(request.get("i", ""))[:32]
             if member is None or step < 0:
                 raise ProtocolError("malformed join request")
+            if not self._newest - KEEP_STEPS <= step <= self._newest + JOIN_AHEAD:
+                raise ProtocolError(f"step {step} is not near this peer's step {self._newest}")
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
             logger.warning(f"refused join request from {peer}: {e}")
             return {"error": str(e)}
