@@ -167,6 +167,9 @@ class OptimizerConfig:
     """Longest a peer waits at the step boundary for slower peers' in-flight micro-batches."""
     state_timeout: float = 120.0
     """Deadline for downloading the collaboration's state when joining or resyncing."""
+    max_state_bytes: int | None = None
+    """Largest state accepted from a donor (None: 4x the model's parameters and buffers, in bytes,
+    plus 64 MiB: room for an optimizer holding two moments per parameter)."""
     verify_sync: bool = True
     """Publish a hash of the parameters after each step; a peer that disagrees with the majority
     downloads the state again."""
@@ -176,6 +179,7 @@ class OptimizerConfig:
         _check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm", "must be > 0 or None")
         _check(self.max_gather_wait >= 0, "max_gather_wait", "must be >= 0")
         _check(self.state_timeout > 0, "state_timeout", "must be > 0")
+        _check(self.max_state_bytes is None or self.max_state_bytes > 0, "max_state_bytes", "must be > 0 or None")
         return self
 
 

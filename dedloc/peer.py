@@ -86,17 +86,20 @@ class Peer:
         """Make ``blob`` (a state at ``step``, see state/snapshot.py) available to peers that ask for it."""
         self.runtime.call("offer_state", step, blob)
 
-    def download_state(self, donors: list[str], min_step: int, timeout: float) -> tuple[int, bytes, str]:
+    def download_state(self, donors: list[str], min_step: int, timeout: float,
+                       max_bytes: int | None = None) -> tuple[int, bytes, str]:
         """Download a state at step >= ``min_step`` from the first of ``donors`` that has one.
 
-        Returns (step, blob, donor); raises StateError naming each donor's failure.
+        Returns (step, blob, donor); raises StateError naming each donor's failure. A donor that
+        announces more than ``max_bytes`` (None: the 64 GiB protocol cap) is refused before any
+        byte of the state is read: size it from what this peer expects (its own model).
         """
-        return self.download_state_async(donors, min_step, timeout).result(timeout + 30)
+        return self.download_state_async(donors, min_step, timeout, max_bytes).result(timeout + 30)
 
-    def download_state_async(self, donors: list[str], min_step: int,
-                             timeout: float) -> "cf.Future[tuple[int, bytes, str]]":
+    def download_state_async(self, donors: list[str], min_step: int, timeout: float,
+                             max_bytes: int | None = None) -> "cf.Future[tuple[int, bytes, str]]":
         """:meth:`download_state` without waiting: a future of its result (errors as there)."""
-        return self.runtime.call_async("download_state", list(donors), min_step, timeout)
+        return self.runtime.call_async("download_state", list(donors), min_step, timeout, max_bytes)
 
     # ---- averaging ------------------------------------------------------------------------------------
     def _buffer(self, numel: int) -> torch.Tensor:

@@ -102,14 +102,15 @@ class PeerService:
     async def offer_state(self, step: int, blob: bytes) -> None:
         await self.states.offer(step, blob)
 
-    async def download_state(self, donors: list[str], min_step: int, timeout: float) -> tuple[int, bytes, str]:
+    async def download_state(self, donors: list[str], min_step: int, timeout: float,
+                             max_bytes: int | None = None) -> tuple[int, bytes, str]:
         """Download a state (see StateServer.download). Meanwhile the last progress record is
         republished before it expires: a peer blocked in a download stays visible to the others
         (were its record to expire, a newcomer could take an older checkpoint for the collaboration's
         state and fork from it)."""
         keepalive = asyncio.create_task(self._keep_visible())
         try:
-            return await self.states.download(donors, min_step, timeout)
+            return await self.states.download(donors, min_step, timeout, max_bytes)
         finally:
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)

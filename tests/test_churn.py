@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
-from dedloc.errors import MatchmakingError, MissedRoundError
+from dedloc.errors import MatchmakingError, MissedRoundError, StateError
 from dedloc.optim import CollaborativeOptimizer
 from dedloc.optim.optimizer import StepOutcome
 from dedloc.peer import Peer
@@ -533,3 +533,42 @@ def test_a_leader_whose_round_failed_reopens_the_step(tmp_path):
     finally:
         reopen.set()
         peer.close()
+
+
+def test_a_donor_announcing_a_huge_state_is_refused_before_its_bytes():
+    """A donor announced 32 GiB and streamed as much as it could: the newcomer's memory grew with it
+    (it allocated what the donor claimed, up to 64 GiB). Now a state larger than the newcomer's own
+    model allows is refused at the header, naming the size, and the next donor serves it."""
+
+    from dedloc.net import rpc
+
+    rid = run_id()
+    good = Peer(PeerConfig(run_id=rid), AVG)
+    newcomer = Peer(PeerConfig(run_id=rid, initial_peers=tuple(good.maddrs)), AVG)
+    sent = []
+
+    async def huge(node, finished):
+        async def serve(info, reader, writer):
+            await rpc.read_message(reader)
+            await rpc.write_message(writer, {"step": 3, "size": 32 << 30})
+            try:
+                while not finished.is_set():
+                    writer.write(b"x" * (1 << 20))
+                    await writer.drain()
+                    sent.append(1)
+            except (ConnectionError, OSError):
+                pass
+            writer.close()
+
+        await node.p2p.add_binary_stream_handler(f"dedloc.{rid}.state", serve)
+
+    try:
+        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(good.maddrs)), huge) as donor:
+            good.offer_state(3, b"a state of step 3")
+            with pytest.raises(StateError, match=f"{donor}: ProtocolError: it announces a state of {32 << 30} bytes"):
+                newcomer.download_state([donor], 3, timeout=60, max_bytes=1 << 20)
+            step, blob, served = newcomer.download_state([donor, good.peer_id], 3, timeout=60, max_bytes=1 << 20)
+            assert (step, blob, served) == (3, b"a state of step 3", good.peer_id)
+    finally:
+        newcomer.close()
+        good.close()

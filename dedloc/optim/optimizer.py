@@ -144,6 +144,10 @@ class CollaborativeOptimizer:
         self.scale = CollaborativeScale(scaler) if scaler is not None else None
         self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         self.acc = GradientAccumulator(self.params)
+        tensors = list(model.parameters()) + list(model.buffers()) if model is not None else self.params
+        self._max_state_bytes = self.config.max_state_bytes or (
+            4 * sum(t.numel() * t.element_size() for t in tensors) + (64 << 20))
+        """A donor announcing a bigger state is refused before its bytes are read."""
         self.global_step = 0
         """The global step this peer's micro-batches currently count toward."""
         self.applied_step = 0
@@ -319,7 +323,8 @@ class CollaborativeOptimizer:
         donors = self._donors(self.peer.collaboration(), step)
         logger.info(f"{reason}; catching up: downloading the state of step >= {step} in the background, "
                     f"still accumulating for step {self.global_step}")
-        self._catchup = _CatchUp(step, self.peer.download_state_async(donors, step, self.config.state_timeout),
+        self._catchup = _CatchUp(step, self.peer.download_state_async(donors, step, self.config.state_timeout,
+                                                                      self._max_state_bytes),
                                  time.monotonic())
         self.catchups += 1
 
@@ -358,7 +363,8 @@ class CollaborativeOptimizer:
                     if wait:
                         time.sleep(0.5)  # a member whose round succeeded may not have published it yet
                     catchup = _CatchUp(catchup.min_step, self.peer.download_state_async(
-                        self._donors(view, catchup.min_step), catchup.min_step, FRESH_GRACE), catchup.started)
+                        self._donors(view, catchup.min_step), catchup.min_step, FRESH_GRACE, self._max_state_bytes),
+                        catchup.started)
                     if not wait:
                         self._catchup = catchup
                         return True
@@ -639,7 +645,7 @@ class CollaborativeOptimizer:
         while True:
             donors = [d for d in donors if d not in refused]
             try:
-                step, blob, donor = self.peer.download_state(donors, target, timeout)
+                step, blob, donor = self.peer.download_state(donors, target, timeout, self._max_state_bytes)
                 state = snapshot.decode(blob)
                 self._check_lineage(state, donor, view)
             except ProtocolError as e:  # this donor's bytes are not a state, or not the collaboration's: try others

@@ -54,6 +54,12 @@ class Backbone:
         view, _ = self.peer.report(record)
         return view
 
+    def _max_state_bytes(self) -> int | None:
+        """A backbone has no model: it accepts states up to twice its newest checkpoint plus 256 MiB
+        (None, the protocol's cap, before its first)."""
+        found = self.store.latest_size()
+        return None if found is None else 2 * found + (256 << 20)
+
     def pull(self) -> bool:
         """Download and checkpoint the newest state if the collaboration moved past ours; True if it did."""
         view = self._report()
@@ -66,7 +72,7 @@ class Backbone:
             return False
         random.shuffle(donors)
         try:
-            step, blob, donor = self.peer.download_state(donors, target, 60.0)
+            step, blob, donor = self.peer.download_state(donors, target, 60.0, self._max_state_bytes())
         except DedlocError as e:
             logger.warning(f"could not pull the state of step {target}: {e}")
             return False

@@ -10,7 +10,9 @@ net/rpc.py); the donor answers ``{"step", "size"}`` then ``size`` raw bytes, or 
   for that offer (at most ``FRESH_WAIT``) without holding an upload slot, and answers ``behind`` at
   once when it cannot produce the state: its training loop is behind ``min_step``, or is itself
   downloading a state (two peers that both wait for the other's newer state never deadlock);
-- a download has a deadline, checks the announced size against a cap, and tries the next donor on
+- a download has a deadline, checks the announced size against what the requester expects
+  (``max_bytes``, sized from its own model; at most ``MAX_STATE_BYTES``) before reading any of
+  it, so memory is never sized by a donor's claim, and tries the next donor on
   any failure. Each donor's answer must come within ``HEADER_WAIT`` (a donor that never answers
   costs that much, not the whole deadline); the bytes then get what is left of the deadline, but
   a donor that sends nothing for ``STALL_WAIT`` is given up. It raises StateError naming every
@@ -117,9 +119,11 @@ class StateServer:
         finally:
             writer.close()
 
-    async def download(self, donors: list[str], min_step: int, timeout: float) -> tuple[int, bytes, str]:
+    async def download(self, donors: list[str], min_step: int, timeout: float,
+                       max_bytes: int | None = None) -> tuple[int, bytes, str]:
         """Fetch a state at step >= min_step from the first donor that has one, trying them in order."""
         deadline = time.monotonic() + timeout
+        limit = min(max_bytes or MAX_STATE_BYTES, MAX_STATE_BYTES)
         reasons: list[str] = []
         self.downloading += 1
         try:
@@ -129,7 +133,7 @@ class StateServer:
                     reasons.append(f"{donor}: deadline passed")
                     break
                 try:
-                    step, blob = await asyncio.wait_for(self._download_from(donor, min_step, deadline), left)
+                    step, blob = await asyncio.wait_for(self._download_from(donor, min_step, deadline, limit), left)
                     return step, blob, donor
                 except Exception as e:  # any failure of one donor: try the next
                     reasons.append(f"{donor}: {type(e).__name__}: {e}")
@@ -139,7 +143,7 @@ class StateServer:
         raise StateError(f"could not download the state at step >= {min_step}: " + ("; ".join(reasons)
                          if reasons else "no donor is advertising it"))
 
-    async def _download_from(self, donor: str, min_step: int, deadline: float) -> tuple[int, bytes]:
+    async def _download_from(self, donor: str, min_step: int, deadline: float, limit: int) -> tuple[int, bytes]:
         header_by = min(deadline, time.monotonic() + HEADER_WAIT)
         reader, writer = await asyncio.wait_for(
             rpc.open_stream(self.node.p2p, PeerID.from_base58(donor), self.proto),
@@ -157,9 +161,11 @@ class StateServer:
             if "error" in head:
                 raise StateError(str(head["error"]))
             step, size = head.get("step"), head.get("size")
-            if not isinstance(step, int) or not isinstance(size, int) or step < min_step or not (
-                    0 < size <= MAX_STATE_BYTES):
+            if not isinstance(step, int) or not isinstance(size, int) or step < min_step or size <= 0:
                 raise ProtocolError(f"bad state header {head!r}")
+            if size > limit:
+                raise ProtocolError(f"it announces a state of {size} bytes, more than this peer accepts "
+                                    f"({limit} bytes: its own model's state, with room for the optimizer's)")
             parts, got = [], 0
             while got < size:  # a donor that stops sending (frozen mid-transfer) fails after STALL_WAIT
                 try:  # whatever has arrived: a slow but steady link never trips this
