@@ -1,5 +1,7 @@
-"""The `dedloc` command: ``demo`` (a local collaboration), ``backbone`` (a CPU-only peer keeping the
-DHT and checkpoints) and ``aggregator`` (a CPU-only peer that averages for the trainers).
+"""The `dedloc` command: ``train`` (join a collaboration and train a recipe), ``tokenizer`` (train the
+run's tokenizer), ``finetune`` (downstream evaluation of a checkpoint), ``demo`` (a local
+collaboration), ``backbone`` (a CPU-only peer keeping the DHT and checkpoints) and ``aggregator``
+(a CPU-only peer that averages for the trainers).
 
 Options are generated from the configuration dataclasses, so the CLI and the Python API share
 one definition of every setting and its validation.
