@@ -8,16 +8,14 @@ import time
 
 import pytest
 import torch
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
 from hivemind.p2p import PeerID
-from hivemind.proto import crypto_pb2
 
 from dedloc.averaging.matchmaking import Matchmaker
 from dedloc.averaging.wire import VERSION, Kind, read_header, read_payload_into, write_frame
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import AveragingError, MatchmakingError, ProtocolError, RuntimeClosedError
 from dedloc.net import rpc
+from dedloc.net.identity import create_identity
 from dedloc.net.node import Node
 
 from conftest import bare_node
@@ -40,16 +38,6 @@ def either_reference(results, xs, ws, victim):
     out = results[0]
     ok = torch.isclose(out, with_v, atol=1e-5) | torch.isclose(out, without, atol=1e-5)
     assert bool(ok.all()), f"{int((~ok).sum())} elements match neither reference"
-
-
-def ed25519_identity(path) -> str:
-    """Write a fresh libp2p Ed25519 identity (the kind p2pd makes for itself) to ``path``; its peer id."""
-    key = ed25519.Ed25519PrivateKey.generate()
-    raw = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
-    pub = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    path.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=raw + pub).SerializeToString())
-    public = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.Ed25519, data=pub).SerializeToString()
-    return PeerID(bytes([0, len(public)]) + public).to_base58()  # identity multihash of the public key
 
 
 def run_with_victim(peers, victim, ws, averaging_timeout):
@@ -207,7 +195,8 @@ def test_ready_peer_that_never_answers_joins_cannot_stall_matchmaking(make_peers
     smallest = min(p.peer_id for p in peers)
     key = tmp_path / "silent.key"
     for _ in range(10_000):  # an identity whose peer id sorts before every honest one
-        silent_id = ed25519_identity(key)
+        key.unlink(missing_ok=True)
+        silent_id = create_identity(key)
         if silent_id < smallest:
             break
     else:

@@ -24,6 +24,8 @@ def test_identity_persists_across_restarts(tmp_path):
         first = a.peer_id
     with Peer(PeerConfig(run_id="ident", identity_path=path)) as b:
         assert b.peer_id == first
+    assert first.startswith("12D3KooW")  # Ed25519: the public key is in the id itself
+    assert os.stat(path).st_mode & 0o777 == 0o600  # the private key is its owner's alone
 
 
 def test_unreachable_initial_peer_is_a_clear_error():

@@ -1,7 +1,8 @@
 """The engine, wrapped once: a go-libp2p daemon (hivemind.p2p.P2P) and a DHT node (hivemind.dht).
 
 Lives inside the runtime process (see runtime.py). Guarantees:
-- the identity key persists in ``identity_path``, so a restarted peer keeps its peer ID;
+- the identity key persists in ``identity_path`` (an Ed25519 key, created mode 0600 when missing), so a
+  restarted peer keeps its peer ID;
 - in client mode the daemon listens on no address: the peer only dials out;
 - ``reachability`` is known before the DHT starts (dial-back probe, see reachability.py); a peer
   found private joins the DHT as a client, keeps slots on the run's relays (``relays``, else the
@@ -27,6 +28,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from dedloc.config import PeerConfig
 from dedloc.errors import JoinError
+from dedloc.net.identity import create_identity
 from dedloc.net.reachability import DialbackServer, Reachability, probe
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,10 @@ class Node:
             parent = os.path.dirname(os.path.abspath(config.identity_path))
             if not os.path.isdir(parent):
                 raise JoinError(f"identity_path directory {parent} does not exist")
+            try:
+                create_identity(config.identity_path)
+            except FileExistsError:
+                pass  # another process of this peer created it meanwhile: use that one
         p2p, sockets = None, []
         launching = _launching.set(sockets)
         relays = _one_address_each(config.relays or config.initial_peers)
