@@ -11,12 +11,12 @@ import torch
 
 from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
 from dedloc.errors import MatchmakingError, MissedRoundError, StateError
+from dedloc.net.identity import create_identity
 from dedloc.optim import CollaborativeOptimizer
 from dedloc.optim.optimizer import StepOutcome
 from dedloc.peer import Peer
 
 from conftest import bare_node, run_id
-from test_faults import ed25519_identity
 from test_optimizer import Trainer, join_all, make_model, make_opt
 
 AVG = AveragingConfig(matchmaking_time=2, averaging_timeout=20, probe_interval=0)
@@ -61,7 +61,7 @@ def test_a_restarted_peer_is_not_handed_its_predecessors_group(tmp_path):
     """The leader answers a member's new process with 'missed', not the group its predecessor joined
     (that group holds the old process's weight: the round then failed on a weight mismatch)."""
     keys = [tmp_path / "a.key", tmp_path / "b.key"]
-    ids = [ed25519_identity(k) for k in keys]
+    ids = [create_identity(k) for k in keys]
     lead_key, member_key = (keys if ids[0] < ids[1] else keys[::-1])  # the leader has the smaller id
     rid = run_id()
     leader = Peer(PeerConfig(run_id=rid, identity_path=str(lead_key)), AVG)
@@ -509,7 +509,8 @@ def test_a_leader_whose_round_failed_reopens_the_step(tmp_path):
     try:
         identity = tmp_path / "leader.key"
         for _ in range(64):  # the late peer must ask the bare leader first: its id must be the smaller
-            if (leader_id := ed25519_identity(identity)) < peer.peer_id:
+            identity.unlink(missing_ok=True)
+            if (leader_id := create_identity(identity)) < peer.peer_id:
                 break
         config = PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs), identity_path=str(identity))
         with bare_node(config, leader):
