@@ -392,3 +392,24 @@ def test_a_private_member_aggregates_only_over_direct_paths():
     assert all(four[order[k]].reachable or four[order[(k + 1) % 4]].reachable for k in range(4)), order
     with pytest.raises(AveragingError, match="ring needs"):
         ring_order(Group(bytes(16), 0, tuple(Member(p, 1.0, 1.0, private=p != "a") for p in "abc")))
+
+
+def test_per_peer_warnings_warn_once_per_interval_per_peer(caplog):
+    import logging
+
+    from dedloc.logs import PerPeerWarnings
+
+    log = logging.getLogger("dedloc.test.perpeer")
+    log.propagate = True
+    warnings = PerPeerWarnings(log, interval=3600, capacity=2)
+    with caplog.at_level(logging.DEBUG, logger="dedloc.test.perpeer"):
+        for _ in range(100):
+            warnings.warn("peerA", "bad request from peerA")
+        warnings.warn("peerB", "bad request from peerB")
+        warnings.warn("peerC", "bad request from peerC")  # forgets peerA (capacity 2)
+        warnings.warn("peerA", "bad request from peerA")
+    name = {logging.WARNING: "WARNING", logging.DEBUG: "DEBUG"}  # hivemind renames WARNING to WARN
+    levels = [(name.get(r.levelno), r.getMessage().split(" (")[0]) for r in caplog.records]
+    assert levels.count(("WARNING", "bad request from peerA")) == 2  # once, and again once forgotten
+    assert levels.count(("DEBUG", "bad request from peerA")) == 99
+    assert ("WARNING", "bad request from peerB") in levels and ("WARNING", "bad request from peerC") in levels

@@ -41,6 +41,7 @@ from dedloc.averaging.group import Group, Member, split_into_subgroups
 from dedloc.averaging.wire import VERSION
 from dedloc.config import AveragingConfig
 from dedloc.errors import MatchmakingError, MissedRoundError, ProtocolError
+from dedloc.logs import PerPeerWarnings
 from dedloc.net import rpc
 from dedloc.net.node import Node
 
@@ -117,6 +118,7 @@ class Matchmaker:
         and failing to reach them would loop until the deadline)."""
         self._failed: set[int] = set()
         """Steps whose round failed at this peer and that it has not started matchmaking for again."""
+        self._refusals = PerPeerWarnings(logger)
         self._newest = -1
         """The step this peer last started matchmaking for (the window of joins it accepts follows it,
         also back, after the collaboration resumed from an older checkpoint)."""
@@ -334,7 +336,7 @@ class Matchmaker:
             if not self._newest - KEEP_STEPS <= step <= self._newest + JOIN_AHEAD:
                 raise ProtocolError(f"step {step} is not near this peer's step {self._newest}")
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
-            logger.warning(f"refused join request from {peer}: {e}")
+            self._refusals.warn(peer, f"refused join request from {peer}: {e}")
             return {"error": str(e)}
         try:
             await asyncio.wait_for(self._decision(step).wait(), 2 * self.config.matchmaking_time + gather)

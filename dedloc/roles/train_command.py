@@ -14,6 +14,7 @@ import time
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.data.mlm import DataConfig
 from dedloc.recipes.mlm import MLMRecipe
+from dedloc.records import Role
 from dedloc.roles.trainer import TrainConfig, Trainer
 
 
@@ -46,6 +47,9 @@ def train(config: TrainConfig, recipe: MLMRecipe, data: DataConfig, peer_config:
         display.add(event)
         if time.monotonic() - last_view[0] > 1.0:
             display.view, last_view[0] = trainer.opt.view, time.monotonic()
+            if display.view is not None:  # a backbone's record names the step of its newest checkpoint
+                display.checkpoint = max((r.step for r in display.view.peers if r.role == Role.BACKBONE),
+                                         default=-1)
         live.update(display.render())
 
     def on_resync(step: int) -> None:
