@@ -7,7 +7,7 @@ from types import ModuleType
 
 from dedloc.errors import DedlocError
 
-EXTRAS = {"datasets": "train", "pytorch_optimizer": "train", "seqeval": "eval", "accelerate": "eval"}
+EXTRAS = {"datasets": "train", "pytorch_optimizer": "train", "seqeval": "eval", "accelerate": "train"}
 
 
 def require(module: str) -> ModuleType:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 
 def configure(level: str = "INFO") -> None:
@@ -30,8 +31,6 @@ class PerPeerWarnings:
         self._last: dict[str, float] = {}
 
     def warn(self, peer: str, message: str) -> None:
-        import time
-
         now = time.monotonic()
         if now - self._last.get(peer, -self.interval) >= self.interval:
             self._last.pop(peer, None)

@@ -1,8 +1,8 @@
 """Where a peer's data stream stands, saved so that a restarted peer does not replay its samples.
 
-The file (JSON, replaced atomically) holds the position of every DataLoader worker and a key of
-what it is a position in: the sources, the text column, the weights, the seed and the worker
-count. A key that no longer matches (other data, another worker count) means starting the data
+The file (JSON, replaced atomically) holds the position of every DataLoader worker and the
+caller's key of what it is a position in (the trainer's: sources, weights, text column, seed,
+worker count, tokenizer and sequence length). A key that no longer matches (other data, another worker count) means starting the data
 over, which is logged; a file that cannot be parsed is an error naming it.
 """
 

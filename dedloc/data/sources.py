@@ -69,16 +69,21 @@ def parse_source(spec: str) -> Source:
     return Source(spec, name, (), config or None)
 
 
-def open_source(source: Source, text_column: str = "text") -> Any:
-    """One source as a streamed ``datasets.IterableDataset`` with a single ``text`` column."""
+def load(source: Source, split: str = "train", streaming: bool = True, option: str = "--data") -> Any:
+    """``datasets.load_dataset`` for ``source``: its files with their builder (one ``train`` split),
+    or the dataset ``NAME[:CONFIG]``'s ``split``; DataError naming the source if it cannot be opened."""
     load_dataset = require("datasets").load_dataset
     try:
         if source.files:
-            ds = load_dataset(source.builder, data_files=list(source.files), split="train", streaming=True)
-        else:
-            ds = load_dataset(source.builder, source.config, split="train", streaming=True)
+            return load_dataset(source.builder, data_files=list(source.files), split="train", streaming=streaming)
+        return load_dataset(source.builder, source.config, split=split, streaming=streaming)
     except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ValueError...)
-        raise DataError(f"--data {source.spec!r}: cannot open it: {type(e).__name__}: {e}") from None
+        raise DataError(f"{option} {source.spec!r}: cannot open it: {type(e).__name__}: {e}") from None
+
+
+def open_source(source: Source, text_column: str = "text") -> Any:
+    """One source as a streamed ``datasets.IterableDataset`` with a single ``text`` column."""
+    ds = load(source)
     column, spec = "text" if source.builder == "text" else text_column, source.spec  # a .txt has one column
 
     def text_of(example: dict[str, Any]) -> dict[str, str]:

@@ -9,7 +9,8 @@ walks the same order again. Each pass over the data is an epoch; the next one is
 
 A position (:meth:`PeerStream.position`) is the epoch plus the ``datasets`` state (shard and
 offset of every source). Restored, the walk continues after it; the examples that were waiting in
-the shuffle buffer are dropped, not replayed.
+the shuffle buffer are dropped, not replayed (up to ``shuffle_buffer`` of them: on a corpus
+smaller than the buffer, the rest of the epoch).
 """
 
 from __future__ import annotations

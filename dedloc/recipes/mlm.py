@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
+from dedloc.config import COMPRESSIONS
 from dedloc.errors import ConfigError
 from dedloc.extras import require
 
 OPTIMIZERS = ("lamb", "adamw")
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
-WIRE = ("none", "float16")
 
 
 @dataclass
@@ -87,7 +87,7 @@ class MLMRecipe:
             raise ConfigError("invalid config: lr must be > 0 and weight_decay >= 0")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ConfigError("invalid config: clip_grad_norm must be > 0 or None")
-        for name, allowed in (("optimizer", OPTIMIZERS), ("precision", PRECISIONS), ("wire", WIRE)):
+        for name, allowed in (("optimizer", OPTIMIZERS), ("precision", PRECISIONS), ("wire", COMPRESSIONS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"invalid config: {name} must be one of {allowed}")
         return self

@@ -34,10 +34,13 @@ class Backbone:
             peer_config = dataclasses.replace(peer_config, relay_service=True)  # it relays for private peers
         self.store = CheckpointStore(self.config.checkpoint_dir, self.config.keep_checkpoints)
         self.step = -1
+        self.held_bytes: int | None = None
+        """Size of the state this backbone holds and serves (None before its first)."""
         self.peer = Peer(peer_config, averaging)
         try:
             if self.config.resume and (found := self.store.latest()) is not None:
                 self.step, blob = found
+                self.held_bytes = len(blob)
                 self.peer.offer_state(self.step, blob)
                 logger.info(f"resuming from checkpoint {self.store.path(self.step)} (step {self.step})")
             self.view = self._report()
@@ -55,10 +58,9 @@ class Backbone:
         return view
 
     def _max_state_bytes(self) -> int | None:
-        """A backbone has no model: it accepts states up to twice its newest checkpoint plus 256 MiB
+        """A backbone has no model: it accepts states up to twice the one it holds plus 256 MiB
         (None, the protocol's cap, before its first)."""
-        found = self.store.latest_size()
-        return None if found is None else 2 * found + (256 << 20)
+        return None if self.held_bytes is None else 2 * self.held_bytes + (256 << 20)
 
     def pull(self) -> bool:
         """Download and checkpoint the newest state if the collaboration moved past ours; True if it did."""
@@ -77,7 +79,7 @@ class Backbone:
             logger.warning(f"could not pull the state of step {target}: {e}")
             return False
         path = self.store.write(step, blob)
-        self.step = step
+        self.step, self.held_bytes = step, len(blob)
         self.peer.offer_state(step, blob)
         self._report()
         logger.info(f"checkpoint of step {step} from {donor} written to {path} ({len(blob) / 1e6:.1f} MB)")

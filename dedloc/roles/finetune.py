@@ -97,16 +97,9 @@ def load_encoder_state(path: str) -> dict[str, torch.Tensor]:
 
 
 def _split(spec: str, split: str) -> Any:
-    from dedloc.data.sources import parse_source
+    from dedloc.data.sources import load, parse_source
 
-    datasets = require("datasets")
-    source = parse_source(spec)
-    try:
-        if source.files:
-            return datasets.load_dataset(source.builder, data_files=list(source.files), split="train")
-        return datasets.load_dataset(source.builder, source.config, split=split)
-    except Exception as e:
-        raise DataError(f"{spec!r}: cannot load it: {type(e).__name__}: {e}") from None
+    return load(parse_source(spec), split, streaming=False, option=f"--{split}")
 
 
 def _label_names(config: FinetuneConfig, train: Any, column: str) -> list[str]:

@@ -23,12 +23,30 @@ class StepEvent:
     samples_per_second: float
 
 
+class LossCurve:
+    """Mean loss per global step, pooled over every :class:`StepEvent` added (one trainer's, or several)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[int, list[float]] = {}
+        """Step -> [sum of per-sample losses, samples]."""
+
+    def add(self, event: StepEvent) -> None:
+        acc = self.totals.setdefault(event.step, [0.0, 0])
+        acc[0] += event.loss_sum
+        acc[1] += event.samples
+
+    def curve(self) -> tuple[list[int], list[float]]:
+        """(steps, their mean losses), the steps with at least one sample, in order."""
+        steps = sorted(s for s, (_, n) in self.totals.items() if n)
+        return steps, [self.totals[s][0] / self.totals[s][1] for s in steps]
+
+
 class ProgressDisplay:
     """Loss per global step (pooled over the trainers that report to it), speed, batch, peers."""
 
     def __init__(self, title: str, total_steps: int | None = None):
         self.title, self.total_steps = title, total_steps
-        self.loss: dict[int, list[float]] = {}
+        self.loss = LossCurve()
         self.batch: dict[int, float] = {}
         self.sps: dict[Any, float] = {}
         self.resyncs = 0
@@ -37,20 +55,13 @@ class ProgressDisplay:
         self.started = time.monotonic()
 
     def add(self, event: StepEvent, source: Any = 0) -> None:
-        acc = self.loss.setdefault(event.step, [0.0, 0])
-        acc[0] += event.loss_sum
-        acc[1] += event.samples
+        self.loss.add(event)
         if event.batch is not None:
             self.batch[event.step] = event.batch
         self.sps[source] = event.samples_per_second
 
-    def step_loss(self, step: int) -> float | None:
-        total = self.loss.get(step)
-        return total[0] / total[1] if total and total[1] else None
-
     def curve(self) -> tuple[list[int], list[float]]:
-        steps = sorted(s for s in self.loss if self.step_loss(s) is not None)
-        return steps, [self.step_loss(s) for s in steps]
+        return self.loss.curve()
 
     def render(self):
         from rich.console import Group

@@ -33,7 +33,7 @@ from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
 from dedloc.data.mlm import BatchSpec, DataConfig, loader
 from dedloc.errors import ConfigError
 from dedloc.recipes.mlm import MLMRecipe
-from dedloc.roles.progress import StepEvent
+from dedloc.roles.progress import LossCurve, StepEvent
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,8 @@ class Trainer:
         except BaseException:
             self.close()
             raise
-        self.steps: list[StepEvent] = []
+        self.losses = LossCurve()
+        """Mean loss of every global step this peer took part in."""
         self.resyncs = 0
         logger.info(f"training {config.recipe} on {self.device} ({self.precision}) as {self.peer.peer_id}, "
                     f"global step {self.opt.global_step}; data: {', '.join(data.data)}")
@@ -180,7 +181,7 @@ class Trainer:
                     loss_sum, count = losses.pop(step, (0.0, 0))
                     record = opt.history[-1] if opt.history and not self.recipe.delay_updates else None
                     event = StepEvent(step, loss_sum, count, record.batch if record else None, opt.samples_per_second)
-                    self.steps.append(event)
+                    self.losses.add(event)
                     self.position.save()
                     if on_step is not None:
                         on_step(event)
@@ -218,14 +219,9 @@ class Trainer:
     def summary(self, wall: float) -> dict[str, Any]:
         from dedloc.roles.report import loss_summary
 
-        by_step: dict[int, list[float]] = {}
-        for e in self.steps:
-            acc = by_step.setdefault(e.step, [0.0, 0])
-            acc[0] += e.loss_sum
-            acc[1] += e.samples
-        steps = sorted(s for s, (_, n) in by_step.items() if n)
-        curve = [by_step[s][0] / by_step[s][1] for s in steps]
         import hashlib
+
+        steps, curve = self.losses.curve()
 
         digest = hashlib.sha256(self.parameters_vector().numpy().tobytes()).hexdigest()
         return {"peer_id": self.peer.peer_id, "global_step": self.opt.global_step, "steps": steps,

@@ -70,12 +70,3 @@ class CheckpointStore:
                 continue
             return step, blob
         return None
-
-    def latest_size(self) -> int | None:
-        """Bytes of the newest checkpoint file, or None when there is none."""
-        for step in self.steps():
-            try:
-                return self.path(step).stat().st_size
-            except OSError:
-                continue
-        return None
