@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import os
 import signal
 import sys
 import textwrap
@@ -134,6 +135,23 @@ def main(argv: list[str] | None = None) -> int:
                                                    "trains nothing (BytePS-style help from a CPU box)")
     add_fields(aggregator, PeerConfig, skip=("client_mode",))
     add_fields(aggregator, AveragingConfig, skip=("aggregator_only",))
+    run = sub.add_parser("run", help="owner: create an invite-only run (`dedloc run init`)")
+    run_sub = run.add_subparsers(dest="run_command", required=True)
+    init = run_sub.add_parser("init", help="make the owner key and run.json in --dir, print the flags peers join with")
+    init.add_argument("--dir", required=True, help="where owner.key (secret), run.json and revoked go")
+    init.add_argument("--run-id", required=True, help="the run's name")
+    invite = sub.add_parser("invite", help="owner: print an invitation for a peer id (the peer passes it to --invite)")
+    invite.add_argument("peer_id", help="the volunteer's peer id (`dedloc identity` prints it)")
+    invite.add_argument("--run", required=True, help="the run directory `dedloc run init` made")
+    invite.add_argument("--expires", default="7d", help="how long it is valid: 90s, 30m, 12h, 7d, 2w (default 7d)")
+    revoke = sub.add_parser("revoke", help="owner: void a peer's invitations (written to RUN/revoked)")
+    revoke.add_argument("peer_id")
+    revoke.add_argument("--run", required=True, help="the run directory `dedloc run init` made")
+    ident = sub.add_parser("identity", help="print this peer's id (to ask the owner for an invitation), "
+                                            "creating its key if missing")
+    ident.add_argument("--identity-path", default=None,
+                       help="the key file (default: dedloc-state/RUN_ID/identity.key, as `dedloc train` uses)")
+    ident.add_argument("--run-id", default="dedloc", help="the run (for the default path)")
     args = parser.parse_args(argv)
     from dedloc.logs import configure
 
@@ -178,6 +196,18 @@ def main(argv: list[str] | None = None) -> int:
             config = from_args(FinetuneConfig, args)
             metrics = run_finetune(config, get_recipe(config.recipe, **{k: getattr(args, k) for k in MODEL_SHAPE}))
             print(json.dumps(metrics))
+            return 0
+        if args.command in ("run", "invite", "revoke", "identity"):
+            from dedloc.roles import membership
+
+            if args.command == "run":
+                print(membership.run_init(args.dir, args.run_id))
+            elif args.command == "invite":
+                print(membership.invite(args.run, args.peer_id, args.expires))
+            elif args.command == "revoke":
+                print(membership.revoke(args.run, args.peer_id))
+            else:
+                print(membership.identity(args.identity_path or os.path.join("dedloc-state", args.run_id, "identity.key")))
             return 0
         if args.command == "backbone":
             return _backbone(from_args(PeerConfig, args, skip=("client_mode",)), from_args(BackboneConfig, args))

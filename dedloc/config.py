@@ -62,6 +62,15 @@ class PeerConfig:
     """Multiaddrs of the run's relays, for a private peer (empty: the initial peers)."""
     relay_service: bool | None = None
     """Relay connections for the run's private peers (None: the role decides; backbones relay)."""
+    owner: str = ""
+    """The run owner's public key, as `dedloc run init` prints it (empty: an open run, where any
+    peer that knows the run id and an address may take part). With it, the run is invite-only:
+    every stream, DHT request and record must come from a peer holding the owner's invitation."""
+    invite: str = ""
+    """This peer's invitation to an invite-only run (`dedloc invite PEER_ID` prints it)."""
+    revocations: str = ""
+    """The owner's revocation list file (`dedloc revoke` writes it): this peer applies it and
+    publishes it to the run, re-reading it every 30 s. Usually given to the owner's backbone."""
     startup_timeout: float = 60.0
     """Seconds to wait for the background process, the daemon and the DHT bootstrap."""
     progress_ttl: float = 30.0
@@ -85,6 +94,11 @@ class PeerConfig:
                f"must be non-empty letters, digits, '-' or '_' (got {self.run_id!r})")
         for addr in tuple(self.initial_peers) + tuple(self.host_maddrs) + tuple(self.announce_maddrs) + tuple(self.relays):
             _check(isinstance(addr, str) and addr.startswith("/"), "multiaddr", f"must start with '/' (got {addr!r})")
+        _check(not (self.invite and not self.owner), "invite", "needs the run owner's public key (owner)")
+        _check(not (self.revocations and not self.owner), "revocations", "needs the run owner's public key (owner)")
+        if self.owner:
+            from dedloc.auth.invitation import owner_public_key
+            owner_public_key(self.owner)
         _check(self.startup_timeout > 0, "startup_timeout", "must be > 0")
         _check(self.progress_ttl > 0, "progress_ttl", "must be > 0")
         _check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",

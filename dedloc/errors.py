@@ -17,6 +17,11 @@ class ProtocolError(DedlocError):
     """A peer sent a malformed, hostile or incompatible message."""
 
 
+class Unauthorized(ProtocolError):
+    """A peer is not a member of this run (no, a forged, an expired or a revoked invitation), or
+    something it sent is not signed by whom it claims."""
+
+
 class MatchmakingError(DedlocError):
     """No group could be agreed for this step within the deadline."""
 

@@ -275,7 +275,7 @@ def test_a_donor_that_stalls_mid_transfer_does_not_take_the_whole_deadline():
             await asyncio.to_thread(finished.wait, 120)
             writer.close()
 
-        await node.p2p.add_binary_stream_handler(f"dedloc.{rid}.state", serve)
+        await node.streams.serve(f"dedloc.{rid}.state", serve)
 
     try:
         with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(good.maddrs)), stall) as staller:
@@ -308,7 +308,7 @@ def test_a_slow_but_steady_donor_is_not_given_up():
             await rpc.wait_peer_closed(reader, 30)
             writer.close()
 
-        await node.p2p.add_binary_stream_handler(f"dedloc.{rid}.state", serve)
+        await node.streams.serve(f"dedloc.{rid}.state", serve)
 
     try:
         with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(newcomer.maddrs)), trickle) as slow:
@@ -561,7 +561,7 @@ def test_a_donor_announcing_a_huge_state_is_refused_before_its_bytes():
                 pass
             writer.close()
 
-        await node.p2p.add_binary_stream_handler(f"dedloc.{rid}.state", serve)
+        await node.streams.serve(f"dedloc.{rid}.state", serve)
 
     try:
         with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(good.maddrs)), huge) as donor:

@@ -131,16 +131,14 @@ def test_hostile_member_and_hostile_streams_are_rejected(make_peers):
                     s, e = bounds[j]
                     bad = {"nan": torch.full((e - s,), math.nan), "size": torch.zeros(e - s + 7),
                            "dtype": torch.zeros(e - s, dtype=torch.float16)}[mode]
-                    _, r, w = await node.p2p.call_binary_stream_handler(
-                        PeerID.from_base58(group.members[j].peer_id), f"dedloc.{node.config.run_id}.allreduce")
+                    r, w = await node.streams.open(PeerID.from_base58(group.members[j].peer_id), f"dedloc.{node.config.run_id}.allreduce")
                     try:
                         await write_frame(w, Kind.CONTRIB, group.round_id, j, 5.0, bad, reader=r)
                         answers[(step, j)] = (await asyncio.wait_for(read_header(r), 20)).kind
                     except (ConnectionError, ProtocolError):  # a refused payload is not read (no credits)
                         answers[(step, j)] = "dropped"
                     w.close()
-                    _, r, w = await node.p2p.call_binary_stream_handler(
-                        PeerID.from_base58(group.members[j].peer_id), f"dedloc.{node.config.run_id}.allreduce")
+                    r, w = await node.streams.open(PeerID.from_base58(group.members[j].peer_id), f"dedloc.{node.config.run_id}.allreduce")
                     await write_frame(w, Kind.PULL, group.round_id, j)
                     header = await asyncio.wait_for(read_header(r), 20)
                     if header.kind == Kind.RESULT:
@@ -149,10 +147,10 @@ def test_hostile_member_and_hostile_streams_are_rejected(make_peers):
                     w.close()
             # garbage and a version mismatch on the averaging stream, and a bad join request
             target = PeerID.from_base58(peers[0].peer_id)
-            _, r, w = await node.p2p.call_binary_stream_handler(target, f"dedloc.{node.config.run_id}.allreduce")
+            r, w = await node.streams.open(target, f"dedloc.{node.config.run_id}.allreduce")
             w.write(b"GARBAGE!" * 8)
             answers["garbage"] = (await asyncio.wait_for(read_header(r), 10)).kind
-            answers["join"] = await rpc.call(node.p2p, target, f"dedloc.{node.config.run_id}.join",
+            answers["join"] = await node.streams.call(target, f"dedloc.{node.config.run_id}.join",
                                              {"v": 99, "step": 1}, timeout=10)
         finally:
             await node.shutdown()
@@ -270,16 +268,19 @@ def test_join_requests_for_far_steps_cannot_crowd_out_the_current_step(make_peer
         try:
             request = {"v": 0, "w": 1.0, "s": 1.0, "c": False}
             answers = await asyncio.gather(*(
-                rpc.call(node.p2p, PeerID.from_base58(p.peer_id), f"dedloc.{node.config.run_id}.join",
+                node.streams.call(PeerID.from_base58(p.peer_id), f"dedloc.{node.config.run_id}.join",
                          dict(request, v=VERSION,
                               step=1000 + k), timeout=10)
-                for p in peers for k in range(120)))
+                for p in peers for k in range(120)), return_exceptions=True)
         finally:
             await node.shutdown()
         return answers
 
     answers = asyncio.run(flood(peers[0].maddrs))
-    assert all("is not near this peer's step 0" in a.get("error", "") for a in answers), answers[:3]
+    # each is refused by name: by matchmaking, or (beyond 32 at once from one peer) by the stream limits
+    limited = [a for a in answers if isinstance(a, ProtocolError) and "too many streams from this peer" in str(a)]
+    assert all(a in limited or "is not near this peer's step 0" in a.get("error", "") for a in answers), \
+        answers[:3]
     for step in (1, 2):
         xs = [torch.full((100,), 1.0 + step), torch.full((100,), 3.0 + step)]
         with cf.ThreadPoolExecutor(2) as pool:

@@ -20,8 +20,6 @@ import time
 from typing import Any, Callable, Protocol
 
 import torch
-from hivemind.p2p import PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from dedloc.averaging.allreduce import PartitionedRound, RoundStats
 from dedloc.averaging.buffers import BufferPool
@@ -32,7 +30,6 @@ from dedloc.averaging.wire import Header, Kind, read_header, read_payload_into, 
 from dedloc.config import AveragingConfig
 from dedloc.errors import AveragingError, ProtocolError
 from dedloc.net.node import Node
-from dedloc.net import rpc
 from dedloc.net.rpc import wait_peer_closed
 from dedloc.numerics import all_finite
 
@@ -103,7 +100,7 @@ class Averager:
     async def start(self) -> None:
         await self.matchmaker.start()
         if not self.node.config.client_mode:
-            await self.node.p2p.add_binary_stream_handler(self.proto, self._on_stream)
+            await self.node.streams.serve(self.proto, self._on_stream)
 
     # ---- round registry -------------------------------------------------------------------------
     def _register(self, round_id: bytes, rnd: _Round, lifetime: float) -> None:
@@ -183,30 +180,25 @@ class Averager:
                 wrote_last = True
                 return
             wrote_last = await rnd.handle(peer, header, reader, writer)
-        except ProtocolError as e:
-            logger.warning(f"rejected stream from peer {peer}: {e}")
+        except ProtocolError as e:  # tell the member why, then let the serving helper log it
             try:
                 await write_error(writer, bytes(16), str(e))
                 wrote_last = True
             except Exception:
                 pass
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
-            logger.debug(f"stream from {peer} ended: {e!r}")
-        except Exception:
-            logger.exception(f"failed to serve a stream from {peer}")
-        finally:
+            raise
+        finally:  # waited here, not by the helper, so that drain() counts it as serving
             if wrote_last:  # closing first could make the daemon drop the tail of what we wrote
                 await wait_peer_closed(reader, self.config.averaging_timeout)
-            writer.close()
 
     async def _open(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A stream to ``peer_id``; ConnectionError naming it if the daemon cannot reach it (a dead peer),
-        so every round handles it as the broken connection it is."""
+        so every round handles it as the broken connection it is; so is a refusal (the peer is not a
+        member to us, or we are over its limits), with the peer's reason."""
         try:
-            reader, writer = await rpc.open_stream(self.node.p2p, PeerID.from_base58(peer_id), self.proto)
-        except P2PDaemonError as e:
-            raise ConnectionError(f"cannot reach {peer_id}: {type(e).__name__}: {e}") from None
-        return reader, writer
+            return await self.node.streams.open(peer_id, self.proto)
+        except ProtocolError as e:
+            raise ConnectionError(str(e)) from None
 
     # ---- the entry point ----------------------------------------------------------------------------
     async def average(self, tensor: torch.Tensor, step: int, weight: float, expected_peers: int | None = None,

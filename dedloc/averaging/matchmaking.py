@@ -125,7 +125,7 @@ class Matchmaker:
 
     async def start(self) -> None:
         if self.node.reachable:  # only a reachable peer ever leads
-            await rpc.serve(self.node.p2p, self.proto, self._on_join)
+            await self.node.streams.serve_requests(self.proto, self._on_join)
 
     def _decision(self, step: int) -> asyncio.Event:
         if step not in self._decided:
@@ -373,10 +373,10 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         try:
             reader, writer = await asyncio.wait_for(
-                rpc.open_stream(self.node.p2p, PeerID.from_base58(leader), self.proto),
+                self.node.streams.open(leader, self.proto),
                 max(0.1, deadline - loop.time()))
         except Exception as e:
-            logger.info(f"step {step}: leader {leader} unreachable ({type(e).__name__}); trying the next")
+            logger.info(f"step {step}: leader {leader} unreachable ({type(e).__name__}: {str(e)[:200]}); trying the next")
             return None
         try:
             await rpc.write_message(writer, request)

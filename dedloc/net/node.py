@@ -2,7 +2,10 @@
 
 Lives inside the runtime process (see runtime.py). Guarantees:
 - the identity key persists in ``identity_path`` (an Ed25519 key, created mode 0600 when missing), so a
-  restarted peer keeps its peer ID;
+  restarted peer keeps its peer ID; without one, a fresh key is made (this process holds it either way);
+- membership (``config.owner``/``invite``) is checked on every stream (``streams``), DHT request and
+  DHT record, and every record this peer stores is signed by its key (dedloc/auth); an invalid own
+  invitation raises ConfigError before the daemon starts;
 - in client mode the daemon listens on no address: the peer only dials out;
 - ``reachability`` is known before the DHT starts (dial-back probe, see reachability.py); a peer
   found private joins the DHT as a client, keeps slots on the run's relays (``relays``, else the
@@ -19,16 +22,24 @@ import asyncio
 import contextvars
 import logging
 import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric import ed25519
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from dedloc.auth.authorizer import make_authorizer
+from dedloc.auth.dht import DHTAccess
+from dedloc.auth.records import SignedRecords
 from dedloc.config import PeerConfig
 from dedloc.errors import JoinError
-from dedloc.net.identity import create_identity
+from dedloc.net.identity import create_identity, load_identity, peer_id_of
+from dedloc.net.membership import Membership
+from dedloc.net.serve import Streams
 from dedloc.net.reachability import DialbackServer, Reachability, probe
 
 logger = logging.getLogger(__name__)
@@ -79,12 +90,37 @@ def _one_address_each(maddrs: tuple[str, ...]) -> list[str]:
     return list(chosen.values())
 
 
-async def _find_reachability(p2p: P2P, config: PeerConfig) -> Reachability:
+def _identity(config: PeerConfig) -> tuple[ed25519.Ed25519PrivateKey, str, str | None]:
+    """This peer's key, the identity file the daemon reads, and a scratch directory to remove once
+    the daemon has read it (a peer without ``identity_path`` still holds its key here: it signs
+    its records and requests with it)."""
+    path, scratch = config.identity_path, None
+    if path and not os.path.exists(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise JoinError(f"identity_path directory {parent} does not exist")
+        try:
+            create_identity(path)
+        except FileExistsError:
+            pass  # another process of this peer created it meanwhile: use that one
+    elif not path:
+        scratch = tempfile.mkdtemp(prefix="dedloc-identity-")
+        path = os.path.join(scratch, "identity.key")
+        create_identity(path)
+    try:
+        return load_identity(path), path, scratch
+    except (OSError, ValueError) as e:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise JoinError(f"cannot use identity {path}: {e}") from None
+
+
+async def _find_reachability(p2p: P2P, streams: Streams, config: PeerConfig) -> Reachability:
     """Declared (client mode, or ``reachability`` set), else probed by the initial peers (dial-back).
     Every listening peer also answers others' dial-back requests from here on."""
     if config.client_mode:
         return Reachability(False, "client mode")
-    await DialbackServer(p2p, config.run_id).start()
+    await DialbackServer(streams, config.run_id).start()
     if config.reachability != "auto":
         return Reachability(config.reachability == "public", "declared in the config")
     probers: list[PeerID] = []
@@ -93,16 +129,21 @@ async def _find_reachability(p2p: P2P, config: PeerConfig) -> Reachability:
         if peer not in probers and peer != p2p.peer_id:
             probers.append(peer)
     listen = list(p2p._visible_maddrs or ())  # the listen addresses, from the daemon's identify at start
-    return await probe(p2p, config.run_id, probers, listen)
+    return await probe(streams, config.run_id, probers, listen)
 
 
 class Node:
     """One peer's P2P daemon and DHT node."""
 
-    def __init__(self, p2p: P2P, dht: DHTNode, config: PeerConfig, reachability: Reachability):
+    def __init__(self, p2p: P2P, dht: DHTNode, config: PeerConfig, reachability: Reachability, streams: Streams):
         self.p2p, self.dht, self.config = p2p, dht, config
         self.peer_id: PeerID = p2p.peer_id
         self.reachability = reachability
+        self.streams = streams
+        """Opening and serving this peer's stream protocols (membership checked on every stream)."""
+        self.authorizer = streams.authorizer
+        self.membership: Membership | None = None
+        self._membership_task: asyncio.Task | None = None
 
     @classmethod
     async def create(cls, config: PeerConfig) -> "Node":
@@ -114,14 +155,14 @@ class Node:
                     maddr["p2p"]
                 except Exception:
                     raise JoinError(f"{what} {addr!r} is not a full multiaddr ending in /p2p/<peer id>") from None
-        if config.identity_path and not os.path.exists(config.identity_path):
-            parent = os.path.dirname(os.path.abspath(config.identity_path))
-            if not os.path.isdir(parent):
-                raise JoinError(f"identity_path directory {parent} does not exist")
-            try:
-                create_identity(config.identity_path)
-            except FileExistsError:
-                pass  # another process of this peer created it meanwhile: use that one
+        key, identity_path, scratch = _identity(config)
+        peer_id = peer_id_of(key.public_key())
+        try:
+            authorizer = make_authorizer(config.run_id, config.owner, config.invite, peer_id)
+        except BaseException:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+            raise
         p2p, sockets = None, []
         launching = _launching.set(sockets)
         relays = _one_address_each(config.relays or config.initial_peers)
@@ -139,7 +180,7 @@ class Node:
                 initial_peers=list(config.initial_peers) or None,
                 host_maddrs=list(config.listen_maddrs()),
                 announce_maddrs=list(config.announce_maddrs) or None,
-                identity_path=config.identity_path,
+                identity_path=identity_path,
                 check_if_identity_free=False,
                 # the daemon's own DHT finds peers' addresses (a private one's circuits too): a server
                 # wherever the peer listens, so that lookups succeed on loopback (where AutoNAT never
@@ -154,10 +195,13 @@ class Node:
                 startup_timeout=config.startup_timeout,
                 idle_timeout=0,
             )
-            reachability = await _find_reachability(p2p, config)
+            streams = Streams(p2p, authorizer)
+            reachability = await _find_reachability(p2p, streams, config)
             dht = await asyncio.wait_for(
                 DHTNode.create(
                     p2p=p2p,
+                    record_validator=SignedRecords(key, peer_id, authorizer),
+                    authorizer=DHTAccess(key, peer_id, authorizer),
                     initial_peers=list(config.initial_peers),
                     client_mode=not reachability.public,  # others cannot send it DHT requests
                     ensure_bootstrap_success=True,
@@ -185,7 +229,14 @@ class Node:
         finally:
             _launching.reset(launching)
             _extra_args.reset(extra)
-        return cls(p2p, dht, config, reachability)
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)  # the daemon has read its key
+        node = cls(p2p, dht, config, reachability, streams)
+        if authorizer.invite_only:
+            node.membership = Membership(authorizer, node.key("revoked"), peer_id, config.revocations, node.store, node.get)
+            await node.membership.refresh()
+            node._membership_task = asyncio.create_task(node.membership.run(), name="dedloc-membership")
+        return node
 
     @property
     def reachable(self) -> bool:
@@ -233,6 +284,9 @@ class Node:
         return out
 
     async def shutdown(self) -> None:
+        if self._membership_task is not None:
+            self._membership_task.cancel()
+            await asyncio.gather(self._membership_task, return_exceptions=True)
         try:
             await asyncio.wait_for(self.dht.shutdown(), 5)
         except Exception:

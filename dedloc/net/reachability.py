@@ -20,11 +20,12 @@ import ipaddress
 import logging
 from dataclasses import dataclass
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from dedloc.errors import ProtocolError
 from dedloc.net import rpc
+from dedloc.net.serve import Streams
 
 logger = logging.getLogger(__name__)
 VERSION = 1
@@ -74,12 +75,12 @@ def observed_ip(addr: Multiaddr) -> str | None:
 class DialbackServer:
     """Answers dial-back requests: tries a TCP connection to the asker's observed address."""
 
-    def __init__(self, p2p: P2P, run_id: str):
-        self.p2p, self.proto = p2p, f"dedloc.{run_id}.dialback"
+    def __init__(self, streams: Streams, run_id: str):
+        self.streams, self.proto = streams, f"dedloc.{run_id}.dialback"
         self._served = asyncio.Semaphore(MAX_SERVED)
 
     async def start(self) -> None:
-        await rpc.serve(self.p2p, self.proto, self._on_request, stream_info=True)
+        await self.streams.serve_requests(self.proto, self._on_request, stream_info=True)
 
     async def _on_request(self, info, request) -> dict:
         if not isinstance(request, dict) or request.get("v") != VERSION or not isinstance(request.get("ports"), list) \
@@ -113,7 +114,7 @@ def _ips(maddrs: list[Multiaddr]) -> list[ipaddress.IPv4Address | ipaddress.IPv6
     return out
 
 
-async def probe(p2p: P2P, run_id: str, probers: list[PeerID], listen: list[Multiaddr]) -> Reachability:
+async def probe(streams: Streams, run_id: str, probers: list[PeerID], listen: list[Multiaddr]) -> Reachability:
     """Ask up to ``PROBERS`` of ``probers`` to dial this peer back on the TCP ports of ``listen``
     (its listen addresses); never raises."""
     ips, ports = _ips(listen), tcp_ports(listen)
@@ -128,7 +129,7 @@ async def probe(p2p: P2P, run_id: str, probers: list[PeerID], listen: list[Multi
 
     async def ask(peer: PeerID):
         try:
-            return await rpc.call(p2p, peer, proto, {"v": VERSION, "ports": ports}, DIAL_TIMEOUT + 5.0)
+            return await streams.call(peer, proto, {"v": VERSION, "ports": ports}, DIAL_TIMEOUT + 5.0)
         except Exception as e:
             return e
 

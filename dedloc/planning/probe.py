@@ -19,7 +19,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from hivemind.p2p import PeerID
 
 from dedloc.averaging.wire import VERSION
 from dedloc.errors import ProtocolError
@@ -99,38 +98,31 @@ class ProbeServer:
 
     async def start(self) -> None:
         if not self.node.config.client_mode:
-            await self.node.p2p.add_binary_stream_handler(self.proto, self._on_stream)
+            await self.node.streams.serve(self.proto, self._on_stream)
 
-    async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = info.peer_id.to_base58()
-        try:
-            req = await asyncio.wait_for(rpc.read_message(reader), 10)
-            if not isinstance(req, dict) or req.get("v") != VERSION or req.get("dir") not in ("push", "pull") \
-                    or not isinstance(req.get("n"), int) or not 0 < req["n"] <= MAX_PROBE_BYTES:
-                raise ProtocolError(f"malformed probe request (protocol {VERSION}, at most {MAX_PROBE_BYTES} bytes)")
-            if self._served.locked():
-                await rpc.reply_last(reader, writer, {"busy": True})
-                return
-            async with self._served:
-                await rpc.write_message(writer, {"ok": True})
-                async with asyncio.timeout(120):
-                    if req["dir"] == "push":
-                        await rpc.write_message(writer, {"s": await _receive(reader, writer, req["n"])})
-                    else:
-                        await _send(reader, writer, req["n"])
-                    await rpc.wait_peer_closed(reader, 60)  # we wrote last: the prober closes first
-        except ProtocolError as e:
-            logger.warning(f"refused a probe from {peer}: {e}")
-        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:
-            logger.debug(f"probe stream with {peer} ended early: {e!r}")
-        finally:
-            writer.close()
+    async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        req = await asyncio.wait_for(rpc.read_message(reader), 10)
+        if not isinstance(req, dict) or req.get("v") != VERSION or req.get("dir") not in ("push", "pull") \
+                or not isinstance(req.get("n"), int) or not 0 < req["n"] <= MAX_PROBE_BYTES:
+            raise ProtocolError(f"malformed probe request (protocol {VERSION}, at most {MAX_PROBE_BYTES} bytes)")
+        if self._served.locked():
+            await rpc.write_message(writer, {"busy": True})
+            return True
+        async with self._served:
+            await rpc.write_message(writer, {"ok": True})
+            async with asyncio.timeout(120):
+                if req["dir"] == "push":
+                    await rpc.write_message(writer, {"s": await _receive(reader, writer, req["n"])})
+                else:
+                    await _send(reader, writer, req["n"])
+                await rpc.wait_peer_closed(reader, 60)  # we wrote last: the prober closes first
+        return False
 
 
 async def _one(node: Node, proto: str, peer: str, direction: str, n: int, trace: Trace,
                result: ProbeResult) -> float:
     """One probe stream; the seconds the receiving end timed."""
-    reader, writer = await rpc.open_stream(node.p2p, PeerID.from_base58(peer), proto)
+    reader, writer = await node.streams.open(peer, proto)
     try:
         await rpc.write_message(writer, {"v": VERSION, "dir": direction, "n": n})
         head = await rpc.read_message(reader)

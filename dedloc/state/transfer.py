@@ -26,8 +26,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-from hivemind.p2p import PeerID
-
 from dedloc.averaging.wire import VERSION
 from dedloc.errors import ProtocolError, StateError
 from dedloc.net import rpc
@@ -63,7 +61,7 @@ class StateServer:
 
     async def start(self) -> None:
         if not self.node.config.client_mode:
-            await self.node.p2p.add_binary_stream_handler(self.proto, self._on_stream)
+            await self.node.streams.serve(self.proto, self._on_stream, close_wait=UPLOAD_GRACE)
 
     async def offer(self, step: int, blob: bytes) -> None:
         async with self._offered:
@@ -89,35 +87,27 @@ class StateServer:
                 return None
         return self.cached
 
-    async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = info.peer_id.to_base58()
-        try:
-            request = await asyncio.wait_for(rpc.read_message(reader), 10)
-            if not isinstance(request, dict) or request.get("v") != VERSION or not isinstance(
-                    request.get("min_step"), int):
-                raise ProtocolError(f"malformed state request (protocol {VERSION} expected)")
-            state = await self._fresh(request["min_step"])  # waits without holding an upload slot
-            if state is None:
-                await rpc.reply_last(reader, writer, {"error": f"no state at step >= {request['min_step']}",
-                                                      "behind": True})
-                return
-            if self._uploads.locked():
-                await rpc.reply_last(reader, writer, {"busy": True})
-                return
-            async with self._uploads:
-                await rpc.write_message(writer, {"step": state.step, "size": len(state.blob)})
-                view = memoryview(state.blob)
-                for i in range(0, len(view), CHUNK):
-                    writer.write(view[i:i + CHUNK])
-                    await writer.drain()
-                await rpc.wait_peer_closed(reader, UPLOAD_GRACE)  # the newcomer closes once it has it all
-                logger.info(f"sent the state of step {state.step} ({len(state.blob) / 1e6:.1f} MB) to {peer}")
-        except ProtocolError as e:
-            logger.warning(f"refused a state request from {peer}: {e}")
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
-            logger.debug(f"state stream with {peer} ended early: {e!r}")
-        finally:
-            writer.close()
+    async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Serve one state request (net/serve.py has admitted the peer); True once it wrote last."""
+        request = await asyncio.wait_for(rpc.read_message(reader), 10)
+        if not isinstance(request, dict) or request.get("v") != VERSION or not isinstance(request.get("min_step"), int):
+            raise ProtocolError(f"malformed state request (protocol {VERSION} expected)")
+        state = await self._fresh(request["min_step"])  # waits without holding an upload slot
+        if state is None:
+            await rpc.write_message(writer, {"error": f"no state at step >= {request['min_step']}", "behind": True})
+            return True
+        if self._uploads.locked():
+            await rpc.write_message(writer, {"busy": True})
+            return True
+        async with self._uploads:
+            await rpc.write_message(writer, {"step": state.step, "size": len(state.blob)})
+            view = memoryview(state.blob)
+            for i in range(0, len(view), CHUNK):
+                writer.write(view[i:i + CHUNK])
+                await writer.drain()
+            await rpc.wait_peer_closed(reader, UPLOAD_GRACE)  # the newcomer closes once it has it all
+            logger.info(f"sent the state of step {state.step} ({len(state.blob) / 1e6:.1f} MB) to {info.peer_id}")
+        return False
 
     async def download(self, donors: list[str], min_step: int, timeout: float,
                        max_bytes: int | None = None) -> tuple[int, bytes, str]:
@@ -146,7 +136,7 @@ class StateServer:
     async def _download_from(self, donor: str, min_step: int, deadline: float, limit: int) -> tuple[int, bytes]:
         header_by = min(deadline, time.monotonic() + HEADER_WAIT)
         reader, writer = await asyncio.wait_for(
-            rpc.open_stream(self.node.p2p, PeerID.from_base58(donor), self.proto),
+            self.node.streams.open(donor, self.proto),
             max(0.1, header_by - time.monotonic()))
         try:
             await rpc.write_message(writer, {"v": VERSION, "min_step": min_step})
