@@ -5,6 +5,11 @@ with ``--peers`` processes each. Times are the slowest peer's, the median over `
   dedloc_s        our all-reduce alone (after matchmaking), the figure to compare with gloo
   dedloc_total_s  matchmaking included, the figure to compare with hivemind's step()
   vs_gloo         gloo_s / dedloc_s;  vs_hivemind  hivemind_s / dedloc_total_s
+
+With ``--auth``: dedloc only, in an open run and in an invite-only one (every stream's hello
+checked, every DHT request and record signed and verified), one after the other:
+  invite_vs_open_total  total round time, invite-only / open
+  invite_vs_open_cpu    CPU seconds of the peers' runtime processes and daemons, invite-only / open
 """
 
 from __future__ import annotations
@@ -100,18 +105,58 @@ def bench_hivemind(peers: int, sizes: list[int], repeats: int) -> dict[int, floa
 
 
 # ---- dedloc -----------------------------------------------------------------------------------------
-def bench_dedloc(peers: int, sizes: list[int], repeats: int, compression: str) -> dict[int, tuple[float, float]]:
-    from dedloc import AveragingConfig, PeerConfig
+def _configs(peers: int, invite_only: bool, scratch: str) -> list:
+    from dedloc import PeerConfig
+    from dedloc.auth.invitation import RunOwner
+    from dedloc.net.identity import create_identity
+
+    rid = f"bench{os.getpid()}{'i' if invite_only else 'o'}"
+    if not invite_only:
+        return [PeerConfig(run_id=rid, log_level="WARNING") for _ in range(peers)]
+    owner = RunOwner.init(os.path.join(scratch, "run"), rid)
+    out = []
+    for i in range(peers):
+        path = os.path.join(scratch, f"peer{i}.key")
+        out.append(PeerConfig(run_id=rid, log_level="WARNING", owner=owner.public, identity_path=path,
+                              invite=owner.invite(create_identity(path), 3600)))
+    return out
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """CPU time of these processes and their children (the p2p daemons)."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            for p in [proc] + proc.children(recursive=True):
+                t = p.cpu_times()
+                total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def bench_dedloc(peers: int, sizes: list[int], repeats: int, compression: str,
+                 invite_only: bool = False) -> dict[int, tuple[float, float, float]]:
+    """Per size: (median all-reduce s, median total s, CPU s per round of all peers' processes)."""
+    import tempfile
+
+    from dedloc import AveragingConfig
     from dedloc.peer import start_peers
 
-    cfg = AveragingConfig(matchmaking_time=2.0, averaging_timeout=900, compression=compression)
-    group = start_peers([PeerConfig(run_id=f"bench{os.getpid()}", log_level="WARNING") for _ in range(peers)], cfg)
+    cfg = AveragingConfig(matchmaking_time=2.0, averaging_timeout=900, compression=compression, probe_interval=0)
+    scratch = tempfile.mkdtemp(prefix="dedloc-bench-")
+    group = start_peers(_configs(peers, invite_only, scratch), cfg)
+    pids = [p.runtime.pid for p in group]
     out, step = {}, 0
     try:
         with cf.ThreadPoolExecutor(peers) as pool:
             for n in [1024] + sizes:  # the first round opens connections
                 xs = [torch.randn(n) for _ in group]
                 runs = []
+                cpu = _cpu_seconds(pids)
                 for _ in range(repeats if n in sizes else 1):
                     t = time.perf_counter()
                     stats = list(pool.map(lambda a: a[0].average(a[1], step=step, weight=1.0, expected_peers=peers),
@@ -120,10 +165,14 @@ def bench_dedloc(peers: int, sizes: list[int], repeats: int, compression: str) -
                     runs.append((max(s["allreduce_s"] for s in stats), total))
                     step += 1
                 if n in sizes:
-                    out[n] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+                    out[n] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+                              (_cpu_seconds(pids) - cpu) / len(runs))
     finally:
         for p in group:
             p.close()
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
     return out
 
 
@@ -134,13 +183,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compression", default="none", choices=["none", "float16"])
     ap.add_argument("--skip-hivemind", action="store_true")
+    ap.add_argument("--auth", action="store_true", help="instead: open vs invite-only dedloc rounds")
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args.auth:
+        opened = bench_dedloc(args.peers, sizes, args.repeats, args.compression)
+        invited = bench_dedloc(args.peers, sizes, args.repeats, args.compression, invite_only=True)
+        for n in sizes:
+            (o, ot, oc), (i, it, ic) = opened[n], invited[n]
+            print(json.dumps({"numel": n, "peers": args.peers, "open_allreduce_s": round(o, 4),
+                              "open_total_s": round(ot, 4), "invite_allreduce_s": round(i, 4),
+                              "invite_total_s": round(it, 4), "invite_vs_open_total": round(it / ot, 3),
+                              "open_cpu_s": round(oc, 3), "invite_cpu_s": round(ic, 3),
+                              "invite_vs_open_cpu": round(ic / oc, 3) if oc else None}), flush=True)
+        return
     ours = bench_dedloc(args.peers, sizes, args.repeats, args.compression)
     gloo = bench_gloo(args.peers, sizes, args.repeats)
     hm = {} if args.skip_hivemind else bench_hivemind(args.peers, sizes, args.repeats)
     for n in sizes:
-        d, dt = ours[n]
+        d, dt, _ = ours[n]
         row = {"numel": n, "peers": args.peers, "compression": args.compression, "dedloc_s": round(d, 4),
                "dedloc_total_s": round(dt, 4), "gloo_s": round(gloo[n], 4), "hivemind_s": round(hm[n], 4) if hm else None,
                "vs_gloo": round(gloo[n] / d, 3), "vs_hivemind": round(hm[n] / dt, 3) if hm else None,
