@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from dedloc.averaging.bounds import WeightBounds
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import AveragingError
 from dedloc.net.runtime import Runtime, SharedBuffer
@@ -110,14 +111,15 @@ class Peer:
         return self._buffers[numel].tensor
 
     def average_async(self, tensor: torch.Tensor, *, step: int, weight: float, expected_peers: int | None = None,
-                      timeout: float | None = None, gather_time: float | None = None):
+                      timeout: float | None = None, gather_time: float | None = None,
+                      bounds: WeightBounds | None = None):
         """Start averaging; returns (future of stats, finish) where finish() copies the result back."""
         if not tensor.is_floating_point():
             raise AveragingError(f"can only average floating-point tensors, got {tensor.dtype}")
         buf = self._buffer(tensor.numel())
         buf.copy_(tensor.detach().reshape(-1))  # one copy, from any device and dtype, into shared memory
         fut = self.runtime.call_async("average", f"b{tensor.numel()}", step, float(weight), expected_peers, timeout,
-                                      gather_time)
+                                      gather_time, bounds)
 
         def finish() -> dict[str, Any]:
             stats = fut.result()
@@ -128,13 +130,15 @@ class Peer:
         return fut, finish
 
     def average(self, tensor: torch.Tensor, *, step: int, weight: float, expected_peers: int | None = None,
-                timeout: float | None = None, gather_time: float | None = None) -> dict[str, Any]:
+                timeout: float | None = None, gather_time: float | None = None,
+                bounds: WeightBounds | None = None) -> dict[str, Any]:
         """Replace ``tensor`` by the sample-weighted mean over this step's group; return round stats.
 
         Matchmaking waits up to ``gather_time`` (default: matchmaking_time) for ``expected_peers``.
+        ``bounds``: the largest weight each member may bring (averaging/bounds.py; None: only 2^40).
         """
         _, finish = self.average_async(tensor, step=step, weight=weight, expected_peers=expected_peers,
-                                       timeout=timeout, gather_time=gather_time)
+                                       timeout=timeout, gather_time=gather_time, bounds=bounds)
         return finish()
 
     # ---- planning ---------------------------------------------------------------------------------------

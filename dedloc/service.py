@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from dedloc.averaging.averager import Averager
+from dedloc.averaging.bounds import WeightBounds
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import ConfigError, DedlocError
 from dedloc.net import rpc
@@ -131,11 +132,14 @@ class PeerService:
         self.buffers[name] = SharedBuffer(numel, shm_name)
 
     async def average(self, name: str, step: int, weight: float, expected_peers: int | None = None,
-                      timeout: float | None = None, gather_time: float | None = None) -> dict[str, Any]:
+                      timeout: float | None = None, gather_time: float | None = None,
+                      bounds: WeightBounds | None = None) -> dict[str, Any]:
         if name not in self.buffers:
             raise DedlocError(f"unknown buffer {name!r}")
+        if bounds is not None and not isinstance(bounds, WeightBounds):
+            raise DedlocError(f"bounds must be WeightBounds, got {type(bounds).__name__}")
         return await self.averager.average(self.buffers[name].tensor, step, weight, expected_peers, timeout,
-                                           gather_time)
+                                           gather_time, bounds)
 
     async def probe(self, peers: list[str] | None = None) -> dict[str, Any]:
         """Probe ``peers`` now (default: a few random ones) and publish the new estimates."""

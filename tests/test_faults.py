@@ -14,7 +14,6 @@ from dedloc.averaging.matchmaking import Matchmaker
 from dedloc.averaging.wire import VERSION, Kind, read_header, read_payload_into, write_frame
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import AveragingError, MatchmakingError, ProtocolError, RuntimeClosedError
-from dedloc.net import rpc
 from dedloc.net.identity import create_identity
 from dedloc.net.node import Node
 
@@ -286,3 +285,48 @@ def test_join_requests_for_far_steps_cannot_crowd_out_the_current_step(make_peer
         with cf.ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda a: a[0].average(a[1], step=step, weight=1.0, expected_peers=2), zip(peers, xs)))
         assert torch.equal(xs[0], torch.full((100,), 2.0 + step)) and torch.equal(xs[1], xs[0])
+
+
+def test_no_single_claim_steers_the_mean(make_peers):
+    """A member claiming a weight of 10^9 is refused by the leader (its bound comes from the speed
+    it published, optim/claims.py) and the others' round is the exact mean of theirs; a leader that
+    admits such a weight is refused by its followers; a contribution whose values times its weight
+    would overflow the sum is refused, naming its sender, and the honest mean stays exact."""
+    from dedloc.averaging.bounds import WeightBounds
+
+    honest_a, honest_b, greedy = make_peers(3, clients=(2,), averaging=AveragingConfig(matchmaking_time=2,
+                                                                                     averaging_timeout=20))
+    bounds = WeightBounds({p.peer_id: 100.0 for p in (honest_a, honest_b, greedy)}, default=100.0)
+    xs = [torch.full((1000,), 1.0), torch.full((1000,), 4.0), torch.full((1000,), -1e6)]
+    ws = [10.0, 20.0, 1e9]
+    with cf.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(p.average, x, step=0, weight=w, expected_peers=3, bounds=None if p is greedy else bounds)
+                   for p, x, w in zip((honest_a, honest_b, greedy), xs, ws)]
+        with pytest.raises(MatchmakingError, match="is above what .* could plausibly have computed"):
+            futures[2].result()
+        stats = [f.result() for f in futures[:2]]
+    assert torch.equal(xs[0], torch.full((1000,), 3.0)) and torch.equal(xs[1], xs[0])  # (10*1 + 20*4) / 30
+    assert all(s["group_size"] == 2 for s in stats)
+
+    # the same claim from the leader itself: its followers refuse the group it formed
+    leader, follower = sorted((honest_a, honest_b), key=lambda p: p.peer_id)
+    xs = [torch.full((1000,), 1.0), torch.full((1000,), 4.0)]
+    with cf.ThreadPoolExecutor(2) as pool:
+        fl = pool.submit(leader.average, xs[0], step=1, weight=1e9, expected_peers=2)
+        ff = pool.submit(follower.average, xs[1], step=1, weight=10.0, expected_peers=2, bounds=bounds)
+        with pytest.raises(MatchmakingError, match=f"leader {leader.peer_id} admitted an implausible claim"):
+            ff.result()
+        try:
+            fl.result()
+        except (MatchmakingError, AveragingError):
+            pass  # its round lost its only member
+    assert torch.equal(xs[1], torch.full((1000,), 4.0))  # the refused group left the tensor untouched
+
+    # values that overflow once weighted: refused by every aggregator, the sender named
+    xs = [torch.full((1000,), 1.0), torch.full((1000,), 4.0), torch.full((1000,), 1e29)]
+    ws = [10.0, 20.0, 100.0]
+    with cf.ThreadPoolExecutor(3) as pool:
+        stats = list(pool.map(lambda a: a[0].average(a[1], step=2, weight=a[2], expected_peers=3),
+                              zip((honest_a, honest_b, greedy), xs, ws)))
+    assert torch.equal(xs[0], torch.full((1000,), 3.0)) and torch.equal(xs[1], xs[0])
+    assert "product with its weight exceeds 1e30" in stats[0]["excluded"][greedy.peer_id]

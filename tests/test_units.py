@@ -413,3 +413,29 @@ def test_per_peer_warnings_warn_once_per_interval_per_peer(caplog):
     assert levels.count(("WARNING", "bad request from peerA")) == 2  # once, and again once forgotten
     assert levels.count(("DEBUG", "bad request from peerA")) == 99
     assert ("WARNING", "bad request from peerB") in levels and ("WARNING", "bad request from peerC") in levels
+
+
+def test_claim_bounds_count_implausible_samples_at_their_bound_and_bound_weights():
+    from dedloc.optim.claims import NEW_SPEED, SLACK, ClaimBounds
+    from dedloc.records import CollaborationView, ProgressRecord, Role
+
+    def view(step, *recs):
+        return CollaborationView.build([ProgressRecord(p, step, n, sps, Role.TRAINER) for p, n, sps in recs])
+
+    claims = ClaimBounds(target_batch_size=100)
+    # step 0: joined into it, not seen begin: nothing is bounded
+    v = claims.observe(view(0, ("a", 30, 10.0), ("b", 10**9, 10.0)), now=0.0)
+    assert [r.samples for r in v.peers] == [30, 10**9]
+    # step 1 begins at t=100: 10 s later, each may claim SLACK * 10/s * 10 s + a fair share (50)
+    claims.observe(view(1, ("a", 0, 10.0), ("b", 0, 10.0)), now=100.0)
+    v = claims.observe(view(1, ("a", 90, 10.0), ("b", 10**9, 10**9)), now=110.0)
+    # b's new speed counts only up to NEW_SPEED times the fastest published before the step
+    bound_a, bound_b = SLACK * 10.0 * 10 + 50, SLACK * NEW_SPEED * 10.0 * 10 + 50
+    assert [r.samples for r in v.peers] == [90, int(bound_b)]
+    w = claims.weights(1, v, now=110.0)
+    assert w.of("a") == bound_a and w.of("b") == bound_b
+    assert w.of("c") == bound_b  # a newcomer, the same
+    # a step this peer resynced into (1 -> 5) is not bounded: it did not see it begin
+    v = claims.observe(view(5, ("a", 10**6, 10.0)), now=111.0)
+    assert v.peers[0].samples == 10**6
+    assert w.excess("b", 10**9) and w.excess("a", 90) is None

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from dedloc.averaging.allreduce import PartitionedRound, RoundStats
+from dedloc.averaging.bounds import WeightBounds, weight_ok
 from dedloc.averaging.buffers import BufferPool
 from dedloc.averaging.group import Group, sub_round_id
 from dedloc.averaging.matchmaking import Matchmaker, SharePolicy
@@ -202,7 +203,8 @@ class Averager:
 
     # ---- the entry point ----------------------------------------------------------------------------
     async def average(self, tensor: torch.Tensor, step: int, weight: float, expected_peers: int | None = None,
-                      timeout: float | None = None, gather_time: float | None = None) -> dict[str, Any]:
+                      timeout: float | None = None, gather_time: float | None = None,
+                      bounds: WeightBounds | None = None) -> dict[str, Any]:
         """Average ``tensor`` (flat, float32, CPU) in place with this step's group.
 
         Returns stats: group size, members, weights, excluded peers, failovers and timings.
@@ -211,15 +213,16 @@ class Averager:
         if tensor.dtype != torch.float32 or tensor.dim() != 1 or tensor.device.type != "cpu":
             raise AveragingError(f"expected a flat float32 CPU tensor, got {tensor.dtype} {tuple(tensor.shape)} "
                                  f"on {tensor.device}")
-        if not (weight >= 0 and weight != float("inf")):
-            raise AveragingError(f"weight must be finite and >= 0, got {weight}")
+        if not weight_ok(weight):
+            raise AveragingError(f"weight must be finite, >= 0 and at most 2^40, got {weight}")
         if self.config.aggregator_only and weight != 0:
             raise AveragingError(f"an aggregator-only peer contributes nothing; got weight {weight}")
         if weight > 0 and not all_finite(tensor):
             raise AveragingError(f"step {step}: local tensor has NaN or inf values; refusing to send it")
         timeout = timeout or self.config.averaging_timeout
         t0 = time.perf_counter()
-        group = await self.matchmaker.form_group(step, weight, expected_peers, gather_time, tensor.numel(), timeout)
+        group = await self.matchmaker.form_group(step, weight, expected_peers, gather_time, tensor.numel(), timeout,
+                                                 bounds)
         timeout = group.timeout or timeout  # the leader's: every member gives up on the round together
         t1 = time.perf_counter()
         me = group.index(self.me)

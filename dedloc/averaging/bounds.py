@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 MAX_WEIGHT = float(1 << 40)
 MAX_WEIGHTED = 1e30
 FOLLOWER_TOLERANCE = 2.0
+TOO_LARGE = "contains NaN or inf values, or values whose product with its weight exceeds 1e30"
 
 
 def weight_ok(weight: float) -> bool:

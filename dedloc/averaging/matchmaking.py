@@ -37,6 +37,7 @@ from typing import Any, Awaitable, Callable, NoReturn
 
 from hivemind.p2p import PeerID
 
+from dedloc.averaging.bounds import FOLLOWER_TOLERANCE, WeightBounds, weight_ok
 from dedloc.averaging.group import Group, Member, split_into_subgroups
 from dedloc.averaging.wire import VERSION
 from dedloc.config import AveragingConfig
@@ -90,7 +91,7 @@ def _parse_entry(peer_id: str, value: Any) -> Member | None:
     except (KeyError, TypeError, ValueError, AttributeError):
         logger.debug(f"ignoring malformed ready record of {peer_id}")
         return None
-    if not (math.isfinite(w) and math.isfinite(s) and w >= 0 and s >= 0) or (not f and (w > 0 or c or p)):
+    if not (weight_ok(w) and math.isfinite(s) and s >= 0) or (not f and (w > 0 or c or p)):
         return None  # an aggregator-only peer contributes nothing and must be reachable
     return Member(peer_id, w, 0.0 if c else s, c, f, p)
 
@@ -119,6 +120,8 @@ class Matchmaker:
         self._failed: set[int] = set()
         """Steps whose round failed at this peer and that it has not started matchmaking for again."""
         self._refusals = PerPeerWarnings(logger)
+        self._bounds: dict[int, WeightBounds] = {}
+        """Step -> the weights this peer's training loop finds plausible for each member (when given)."""
         self._newest = -1
         """The step this peer last started matchmaking for (the window of joins it accepts follows it,
         also back, after the collaboration resumed from an older checkpoint)."""
@@ -133,6 +136,7 @@ class Matchmaker:
             for old in [s for s in self._decided if s < min(step, self._newest - KEEP_STEPS)]:
                 self._decided.pop(old, None)
                 self._lead.pop(old, None)
+                self._bounds.pop(old, None)
                 self._follow.pop(old, None)
                 self._unreachable.pop(old, None)
                 self._stepped_down.pop(old, None)
@@ -203,15 +207,20 @@ class Matchmaker:
 
     # ---- entry point -----------------------------------------------------------------------------
     async def form_group(self, step: int, weight: float, expected_peers: int | None = None,
-                         gather_time: float | None = None, numel: int = 0, timeout: float | None = None) -> Group:
+                         gather_time: float | None = None, numel: int = 0, timeout: float | None = None,
+                         bounds: WeightBounds | None = None) -> Group:
         """Agree on this step's group; raises MissedRoundError or MatchmakingError.
 
         Waits up to ``gather_time`` (default: matchmaking_time) for ``expected_peers`` to be ready.
         ``numel`` (the vector's size) lets a leading peer's planner size the plan; ``timeout`` (default:
-        averaging_timeout) is the round deadline a leading peer sets for every member.
+        averaging_timeout) is the round deadline a leading peer sets for every member. With ``bounds``,
+        a leading peer refuses a join whose weight is above the joiner's bound, and a following peer
+        refuses a group with a weight above twice its own bound for that member (averaging/bounds.py).
         """
         loop = asyncio.get_running_loop()
         self._newest = step
+        if bounds is not None:
+            self._bounds[step] = bounds
         self._reopen(step)
         t = self.config.matchmaking_time
         gather = t if gather_time is None else max(0.0, gather_time)
@@ -342,6 +351,11 @@ class Matchmaker:
             await asyncio.wait_for(self._decision(step).wait(), 2 * self.config.matchmaking_time + gather)
         except asyncio.TimeoutError:
             return {"error": f"not matchmaking for step {step}"}
+        bounds = self._bounds.get(step)
+        excess = bounds.excess(peer, member.weight) if bounds is not None else None
+        if excess is not None:
+            self._refusals.warn(peer, f"step {step}: refused the join of {peer}: {excess}")
+            return {"error": excess}
         if step in self._failed:
             return {"missed": True, "held": False, "failed": True}
         if step in self._follow and step not in self._lead:
@@ -421,6 +435,10 @@ class Matchmaker:
                 group = Group.from_wire(response["group"])
                 if group.step != step or group.index(self.me) is None:
                     raise MatchmakingError(f"step {step}: leader {leader} sent a group without this peer")
+                bounds = self._bounds.get(step)
+                for m in group.members if bounds is not None else ():
+                    if (excess := bounds.excess(m.peer_id, m.weight, FOLLOWER_TOLERANCE)) is not None:
+                        raise MatchmakingError(f"step {step}: leader {leader} admitted an implausible claim: {excess}")
                 return group
             elif "redirect" in response and isinstance(response["redirect"], str):
                 leader = response["redirect"]

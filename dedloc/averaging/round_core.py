@@ -7,6 +7,7 @@ owns its own, and PartitionedRound (allreduce.py) owns the roles.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Awaitable, Callable
 
@@ -17,7 +18,8 @@ from dedloc.averaging.group import Group, Member
 from dedloc.averaging.wire import Header, Kind, ProtocolError, read_error_text, read_header, read_payload_into, write_frame
 from dedloc.errors import AveragingError
 from dedloc.net.bulk import Transfer, busy_seconds
-from dedloc.numerics import all_finite
+from dedloc.averaging.bounds import MAX_WEIGHTED, TOO_LARGE
+from dedloc.numerics import bounded
 
 OpenStream = Callable[[str], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
@@ -116,7 +118,9 @@ class RoundCore:
     async def read_part(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, header: Header,
                         part: int, sender: int, into: torch.Tensor | None = None) -> torch.Tensor:
         """Read a part's payload: straight into ``into`` when the wire is float32, else into a pooled
-        buffer the caller gives back. Raises ProtocolError for NaN/inf values."""
+        buffer the caller gives back. Raises ProtocolError for NaN/inf values, and for a contribution
+        (not a result) whose values times its weight exceed MAX_WEIGHTED."""
+        limit = MAX_WEIGHTED / max(1.0, header.weight) if header.kind != Kind.RESULT else math.inf
         s, e = self.bounds[part]
         buf = into if into is not None and self.wire_dtype == torch.float32 else self.pool.take(e - s, self.wire_dtype)
         try:
@@ -131,10 +135,10 @@ class RoundCore:
             data = self.pool.take(e - s)
             data.copy_(buf)
             self.pool.give(buf)
-        if not all_finite(data):
+        if not bounded(data, limit):
             if data is not into:
                 self.pool.give(data)
-            raise ProtocolError("contains NaN or inf values")
+            raise ProtocolError("contains NaN or inf values" if limit == math.inf else TOO_LARGE)
         return data
 
     async def read_result(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, part: int,

@@ -27,7 +27,8 @@ import asyncio
 
 import torch
 
-from dedloc.numerics import all_finite
+from dedloc.averaging.bounds import MAX_WEIGHTED, TOO_LARGE
+from dedloc.numerics import bounded
 
 SEGMENT_BYTES = 1 << 20
 
@@ -176,9 +177,9 @@ class StreamedPart:
                 break
             for k in self.contributors:
                 if self._checked[k] < b:
-                    if not all_finite(self._inputs[k][1][self._checked[k]:b]):
-                        self._fail(f"contributor {k} sent NaN or inf after the part's contributors were fixed",
-                                   k, "contains NaN or inf values")
+                    if not bounded(self._inputs[k][1][self._checked[k]:b], self._limit(k)):
+                        self._fail(f"contributor {k} sent NaN, inf or values too large for its weight after the "
+                                   f"part's contributors were fixed", k, TOO_LARGE)
                         return
                     self._checked[k] = b
             self._reduce(a, b)
@@ -187,6 +188,11 @@ class StreamedPart:
             self.done.set()
         self._notify()
 
+    def _limit(self, k: int) -> float:
+        """The largest magnitude sender ``k`` may send: its values times its weight stay below
+        MAX_WEIGHTED, so the part's sum cannot overflow (averaging/bounds.py)."""
+        return MAX_WEIGHTED / max(1.0, self._inputs[k][0])
+
     def _commit(self, force: bool) -> bool:
         """Fix the contributors once every expected sender has sent its first segment (``force``:
         now, with those still expected). Returns whether the part is committed."""
@@ -194,8 +200,8 @@ class StreamedPart:
         if not force and any(self._received.get(k, -1) < first for k in self.pending):
             return False
         for k in sorted(self.pending):
-            if not all_finite(self._inputs[k][1][:self._received[k]]):
-                self._exclude(k, "contains NaN or inf values")
+            if not bounded(self._inputs[k][1][:self._received[k]], self._limit(k)):
+                self._exclude(k, TOO_LARGE)
         self._checked = {k: self._received[k] for k in self.pending}
         self.contributors = sorted(self.pending)
         self.pending.clear()

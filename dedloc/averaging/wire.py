@@ -24,6 +24,9 @@ from dedloc.errors import ProtocolError
 from dedloc.net import bulk
 
 MAGIC = b"DDLC"
+MAX_TOTAL_WEIGHT = float(1 << 52)
+"""No header's weight is above this: a member's weight is at most 2^40 (averaging/bounds.py), and a
+result's is a total over at most 4096 of them."""
 VERSION = 6  # 2: members carry a "fetch" flag, ready records the vector size; 3: payloads are credit-paced;
 # 4: probes are credit-paced too; 5: a credit per 16 KiB (was 64 KiB); 6: results are pulled on a stream
 # of their own (PULL) and streamed while contributions still arrive
@@ -87,7 +90,7 @@ def unpack_header(raw: bytes) -> Header:
         raise ProtocolError(f"unknown dtype code {code}")
     if kind == Kind.ERROR and numel > MAX_ERROR_BYTES:
         raise ProtocolError(f"error message of {numel} bytes exceeds {MAX_ERROR_BYTES}")
-    if not (weight == weight) or weight < 0 or weight == float("inf"):
+    if not (weight == weight) or weight < 0 or weight > MAX_TOTAL_WEIGHT:
         raise ProtocolError(f"invalid weight {weight}")
     return Header(kind, DTYPES.get(code), bytes(round_id), part, weight, numel)
 

@@ -45,7 +45,7 @@ class ClaimBounds:
 
     def __init__(self, target_batch_size: int):
         self.target = target_batch_size
-        self._step = -1
+        self._step: int | None = None
         self._began: dict[int, float] = {}
         """Step -> when this peer first saw the collaboration at it (time.monotonic)."""
         self._committed: dict[int, dict[str, float]] = {}
@@ -57,8 +57,8 @@ class ClaimBounds:
         """Take in a fresh view; return it with each sample count above its bound counted at the bound."""
         now = time.monotonic() if now is None else now
         step = view.global_step
-        if step > self._step:
-            if step == self._step + 1:  # seen from its beginning (not joined or resynced into)
+        if self._step is None or step > self._step:
+            if self._step is not None and step == self._step + 1:  # seen begin (not joined or resynced into)
                 self._began[step] = now
             self._step = step
             self._committed[step] = {p: v for p, v in self._latest.items() if v > 0}

@@ -56,6 +56,7 @@ from dedloc.config import OptimizerConfig
 from dedloc.errors import AveragingError, MatchmakingError, ProtocolError, RuntimeClosedError, StateError
 from dedloc.optim import lineage
 from dedloc.optim.accumulator import GradientAccumulator
+from dedloc.optim.claims import ClaimBounds
 from dedloc.optim.scaling import CollaborativeScale
 from dedloc.peer import Peer
 from dedloc.records import CollaborationView, ProgressRecord, Role
@@ -166,6 +167,8 @@ class CollaborativeOptimizer:
         self._wanted = False
         """A peer asked for a newer state than ours; offered once this peer holds a complete one."""
         self._sps, self._mb_time, self._latency = _Ema(), _Ema(), _Ema()
+        self._claims = ClaimBounds(self.config.target_batch_size)
+        """Bounds each peer's sample count and round weight by what it could have computed (claims.py)."""
         self._seen: _Seen | None = None
         self._pending: tuple[cf.Future, float] | None = None
         self.blocking_reports = self.background_reports = 0
@@ -284,7 +287,8 @@ class CollaborativeOptimizer:
             self.on_contribute(step, local_samples if weight > 0 else 0)
         started = time.monotonic()
         expected = max(1, len(peers)) + len(view.aggregators)
-        kwargs = dict(step=step, weight=weight, expected_peers=expected, gather_time=gather)
+        kwargs = dict(step=step, weight=weight, expected_peers=expected, gather_time=gather,
+                      bounds=self._claims.weights(step, view))
         if self.config.delay_updates:
             future, finish = self.peer.average_async(vector, **kwargs)
             self._inflight = _Inflight(step, vector, future, finish, local_samples, started)
@@ -481,16 +485,18 @@ class CollaborativeOptimizer:
         sent = time.monotonic()
         view, wanted = self.peer.report(self._record(busy))
         self.blocking_reports += 1
-        self._saw(view, sent, wanted)
-        return view
+        return self._saw(view, sent, wanted)
 
-    def _saw(self, view: CollaborationView, sent: float, wanted: bool) -> None:
+    def _saw(self, view: CollaborationView, sent: float, wanted: bool) -> CollaborationView:
+        """Take in a view just read (each peer's samples bounded by what it could have computed)."""
         now = time.monotonic()
         self._latency.update(now - sent)
+        view = self._claims.observe(view, now)
         self._seen = _Seen(view, now)
         self._wanted = self._wanted or wanted
         if self._wanted and self._inflight is None and self._catchup is None:
             self.offer_state()
+        return view
 
     def _cached_view_if_far(self) -> CollaborationView | None:
         """The last view read, if the target is far enough that this micro-batch need not wait for a
