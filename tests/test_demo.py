@@ -11,13 +11,15 @@ import pytest
 def test_demo_trains_and_writes_summary_and_plot(tmp_path):
     cmd = [sys.executable, "-m", "dedloc.cli", "demo", "--steps", "8", "--target-batch-size", "32",
            "--micro-batch", "8", "--hidden-size", "32", "--heads", "2", "--layers", "1", "--vocab-size", "400",
-           "--corpus-files", "200", "--slowdown", "0.05", "--lr", "0.01", "--out", str(tmp_path), "--verbose"]
+           "--corpus-files", "200", "--slowdown", "0.05", "--lr", "0.01", "--out", str(tmp_path), "--verbose",
+           "--invite-only"]  # every peer checks the others' invitations: the whole membership path, training
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=260)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     for key in ("steps", "loss_first", "loss_last", "peers", "batch_per_step", "max_param_diff"):
         assert key in summary
-    assert summary["steps"] == 8 and summary["peers"] == 4
+    assert summary["steps"] == 8 and summary["peers"] == 4 and summary["invite_only"]
+    assert (tmp_path / "run" / "owner.key").stat().st_mode & 0o777 == 0o600
     assert summary["max_param_diff"] == 0.0
     assert summary["loss_last_avg"] < summary["loss_first_avg"]
     # on failure, the peers' events (rounds, misses, resyncs) say which samples went missing

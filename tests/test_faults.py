@@ -330,3 +330,31 @@ def test_no_single_claim_steers_the_mean(make_peers):
                               zip((honest_a, honest_b, greedy), xs, ws)))
     assert torch.equal(xs[0], torch.full((1000,), 3.0)) and torch.equal(xs[1], xs[0])
     assert "product with its weight exceeds 1e30" in stats[0]["excluded"][greedy.peer_id]
+
+
+def test_a_peer_that_never_answers_the_hello_fails_the_open_in_bounded_time():
+    """The daemon accepts a stream for a peer whose process is frozen (SIGSTOP): opening one must fail
+    as a broken connection within ACK_WAIT, not wait until the peer wakes (the chaos soak's 70 s stall)."""
+    from dedloc.net.serve import ACK_WAIT
+
+    async def main():
+        frozen = await Node.create(PeerConfig(run_id="frozen"))
+        opener = await Node.create(PeerConfig(run_id="frozen", initial_peers=tuple(await frozen.visible_maddrs())))
+        stop = asyncio.Event()
+
+        async def never_answers(info, reader, writer):  # a handler that is there, but does not run
+            await stop.wait()
+            writer.close()
+
+        await frozen.p2p.add_binary_stream_handler("dedloc.frozen.join", never_answers)
+        try:
+            started = time.monotonic()
+            with pytest.raises(ConnectionError, match="did not answer the hello"):
+                await opener.streams.open(frozen.peer_id, "dedloc.frozen.join")
+            return time.monotonic() - started
+        finally:
+            stop.set()
+            await opener.shutdown()
+            await frozen.shutdown()
+
+    assert asyncio.run(main()) < ACK_WAIT + 2

@@ -426,8 +426,10 @@ def test_claim_bounds_count_implausible_samples_at_their_bound_and_bound_weights
     # step 0: joined into it, not seen begin: nothing is bounded
     v = claims.observe(view(0, ("a", 30, 10.0), ("b", 10**9, 10.0)), now=0.0)
     assert [r.samples for r in v.peers] == [30, 10**9]
-    # step 1 begins at t=100: 10 s later, each may claim SLACK * 10/s * 10 s + a fair share (50)
-    claims.observe(view(1, ("a", 0, 10.0), ("b", 0, 10.0)), now=100.0)
+    # last seen at step 0 at t=100, at step 1 at t=103: the step began at the earliest at t=100;
+    # at t=110, each may claim SLACK * 10/s * 10 s + a fair share (50)
+    claims.observe(view(0, ("a", 90, 10.0), ("b", 10, 10.0)), now=100.0)
+    claims.observe(view(1, ("a", 0, 10.0), ("b", 0, 10.0)), now=103.0)
     v = claims.observe(view(1, ("a", 90, 10.0), ("b", 10**9, 10**9)), now=110.0)
     # b's new speed counts only up to NEW_SPEED times the fastest published before the step
     bound_a, bound_b = SLACK * 10.0 * 10 + 50, SLACK * NEW_SPEED * 10.0 * 10 + 50

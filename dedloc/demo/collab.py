@@ -44,6 +44,9 @@ class DemoConfig:
     out: str | None = _opt("write loss.png and summary.json (and the corpus, tokenizer and checkpoints) "
                            "into this directory", default=None)
     time_limit: float = _opt("give up after this many seconds", default=900.0)
+    invite_only: bool = _opt("run invite-only: the demo is the run's owner (`dedloc run init` in OUT/run), invites "
+                             "the backbone and every trainer by peer id, and each checks the others' invitations",
+                             default=False)
 
     def validate(self) -> "DemoConfig":
         if self.trainers < 2:
@@ -74,7 +77,8 @@ def _trainer(index: int, spec: dict[str, Any], recipe: MLMRecipe, data: DataConf
                                       max_steps=spec["steps"], throttle=spec["delay"]),
                           dataclasses.replace(recipe, micro_batch=spec["micro"]), data,
                           PeerConfig(run_id=spec["run_id"], initial_peers=tuple(spec["initial_peers"]),
-                                     client_mode=spec["client"], log_level=spec["log_level"]), AVERAGING)
+                                     client_mode=spec["client"], log_level=spec["log_level"], **spec["membership"]),
+                          AVERAGING)
         trainer.run(on_step=lambda e: events.put(("step", index, e)),
                     on_resync=lambda step: events.put(("resync", index, step)))
         trainer.opt.offer_state()  # the backbone takes the final checkpoint before we leave
@@ -89,6 +93,22 @@ def _trainer(index: int, spec: dict[str, Any], recipe: MLMRecipe, data: DataConf
     finally:
         if trainer is not None:
             trainer.close()
+
+
+def _inviter(workdir: Path, run_id: str):
+    """The owner's side, as `dedloc run init` and `dedloc invite` do it: a function from a peer's identity
+    file (created if missing) to the PeerConfig fields that make it an invited member."""
+    from dedloc.auth.invitation import RunOwner
+    from dedloc.roles.membership import identity
+
+    owner = RunOwner.init(str(workdir / "run"), run_id)
+
+    def invite(path: Path) -> dict[str, Any]:
+        peer_id = identity(str(path))
+        return {"owner": owner.public, "invite": owner.invite(peer_id, 86400.0), "identity_path": str(path),
+                "revocations": str(workdir / "run" / "revoked") if path.name == "backbone.key" else ""}
+
+    return invite
 
 
 def prepare(cfg: DemoConfig, recipe: MLMRecipe, workdir: Path, console) -> tuple[Path, Path]:
@@ -129,7 +149,8 @@ def run(cfg: DemoConfig, recipe: MLMRecipe | None = None, log_level: str = "WARN
     data = DataConfig(data=(str(corpus),), shuffle_buffer=256, data_workers=1)
     run_id = "demo-" + uuid.uuid4().hex[:8]
     ckpt_dir = workdir / "checkpoints"
-    backbone = Backbone(PeerConfig(run_id=run_id, log_level=log_level),
+    invite = _inviter(workdir, run_id) if cfg.invite_only else (lambda identity: {})
+    backbone = Backbone(PeerConfig(run_id=run_id, log_level=log_level, **invite(workdir / "backbone.key")),
                         BackboneConfig(checkpoint_dir=str(ckpt_dir), checkpoint_interval=5.0, resume=False),
                         AVERAGING)
     stop = threading.Event()
@@ -149,7 +170,8 @@ def run(cfg: DemoConfig, recipe: MLMRecipe | None = None, log_level: str = "WARN
             spec = {"run_id": run_id, "initial_peers": backbone.maddrs, "client": i == cfg.trainers - 1,
                     "micro": recipe.micro_batch if i == 0 else max(1, recipe.micro_batch // 2),
                     "delay": cfg.slowdown * slow, "log_level": log_level, "steps": cfg.steps,
-                    "tokenizer": str(tok_dir), "state_dir": str(workdir / f"trainer-{i}")}
+                    "tokenizer": str(tok_dir), "state_dir": str(workdir / f"trainer-{i}"),
+                    "membership": invite(workdir / f"trainer-{i}" / "identity.key")}
             p = ctx.Process(target=_trainer, args=(i, spec, recipe, data, events, release), name=f"trainer-{i}")
             p.start()
             procs.append(p)
@@ -212,7 +234,7 @@ def _summarise(cfg: DemoConfig, recipe: MLMRecipe, display, finals: dict[int, An
         "steps": len(steps), **loss_summary(curve),
         "peers": cfg.trainers + 1, "trainers": cfg.trainers, "backbones": 1, "client_mode_trainers": 1,
         "target_batch_size": recipe.target_batch_size, "batch_per_step": batch_per_step,
-        "max_param_diff": diff, "resyncs": display.resyncs, "wall_s": round(wall, 1),
+        "max_param_diff": diff, "resyncs": display.resyncs, "wall_s": round(wall, 1), "invite_only": cfg.invite_only,
         "loss_per_step": curve, "config": dataclasses.asdict(cfg), "recipe": dataclasses.asdict(recipe),
     }
     known = [b for b in batch_per_step if b]

@@ -19,7 +19,8 @@ too: a handler that wrote last returns True, and the stream stays open (bounded)
 has closed its side, so the daemon cannot drop the tail of what it wrote.
 
 The opener's side (:meth:`Streams.open`) raises Unauthorized or ProtocolError with the server's
-reason, and waits (bounded) for a hole-punched direct connection when the only one is relayed.
+reason, ConnectionError if no answer comes within ``ACK_WAIT``, and waits (bounded) for a
+hole-punched direct connection when the only one is relayed.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 STREAM_VERSION = 1
 MAX_HELLO = 4096
 HELLO_WAIT = 10.0
+ACK_WAIT = 5.0
+"""Longest an opener waits for the server's answer to its hello: the daemon accepts a stream for a
+peer whose process is frozen, and every caller must see that as the broken connection it is."""
 MAX_STREAMS_PER_PEER = 32
 RATE_PER_PEER = 50.0
 BURST_PER_PEER = 200.0
@@ -93,10 +97,13 @@ class Streams:
             raise ConnectionError(f"cannot reach {peer_id}: {type(e).__name__}: {e}") from None
         try:
             await write_message(writer, {"v": STREAM_VERSION, "c": self.authorizer.credential()})
-            answer = await read_message(reader)
+            answer = await asyncio.wait_for(read_message(reader), ACK_WAIT)
         except asyncio.IncompleteReadError:
             writer.close()
             raise ConnectionError(f"peer {peer_id} closed the stream on {name}") from None
+        except asyncio.TimeoutError:  # a frozen peer (a stopped laptop): its daemon took the stream, it is silent
+            writer.close()
+            raise ConnectionError(f"peer {peer_id} did not answer the hello on {name} within {ACK_WAIT:.0f} s") from None
         except BaseException:
             writer.close()
             raise

@@ -6,7 +6,8 @@ bounds them. For peer ``i`` at step ``s``, read at time ``now`` by this peer:
 
     bound_i = SLACK * v_i * (now - t_s) + share_s
 
-- ``t_s``: when this peer first saw the collaboration at step ``s``;
+- ``t_s``: the earliest the step can have begun as this peer saw it: when it last read the
+  collaboration still at step ``s - 1`` (a peer that was frozen or slow to look errs generous);
 - ``share_s = target_batch_size / (training peers at s)``: one fair share, for the micro-batch a
   peer had in flight when the step began and for a newcomer's first one (counted before any
   speed of its own is known);
@@ -46,6 +47,8 @@ class ClaimBounds:
     def __init__(self, target_batch_size: int):
         self.target = target_batch_size
         self._step: int | None = None
+        self._looked = 0.0
+        """When this peer last read a view (a step seen now began at the earliest then)."""
         self._began: dict[int, float] = {}
         """Step -> when this peer first saw the collaboration at it (time.monotonic)."""
         self._committed: dict[int, dict[str, float]] = {}
@@ -59,12 +62,13 @@ class ClaimBounds:
         step = view.global_step
         if self._step is None or step > self._step:
             if self._step is not None and step == self._step + 1:  # seen begin (not joined or resynced into)
-                self._began[step] = now
+                self._began[step] = self._looked  # the earliest it can have begun (a frozen peer: long ago)
             self._step = step
             self._committed[step] = {p: v for p, v in self._latest.items() if v > 0}
             for old in [s for s in self._began if s < step - KEEP_STEPS]:
                 self._began.pop(old, None)
                 self._committed.pop(old, None)
+        self._looked = now
         records, changed = [], False
         for r in view.peers:
             if r.role.trains:
