@@ -1,8 +1,8 @@
 """Serving and downloading training states between peers (runs in the runtime process).
 
 Protocol ``dedloc.{run}.state``: the requester sends ``{"v", "min_step"}`` (msgpack, as in
-net/rpc.py); the donor answers ``{"step", "size"}`` then ``size`` raw bytes, or ``{"busy"}`` /
-``{"error"}``. Guarantees:
+net/rpc.py); the donor answers ``{"step", "size"}`` then ``size`` raw bytes paced by the
+requester's credits (net/bulk.py, as every bulk payload), or ``{"busy"}`` / ``{"error"}``. Guarantees:
 - a donor serves at most ``max_uploads`` requesters at once and answers ``busy`` beyond that, so
   newcomers spread over donors (they try donors in random order);
 - when a requester wants a newer state than the donor has cached, the donor flags it as wanted;
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from dedloc.averaging.wire import VERSION
 from dedloc.errors import ProtocolError, StateError
-from dedloc.net import rpc
+from dedloc.net import bulk, rpc
 from dedloc.net.node import Node
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,30 @@ FRESH_WAIT = 15.0
 HEADER_WAIT = FRESH_WAIT + 10.0
 STALL_WAIT = 20.0
 """A donor whose bytes stop arriving for this long is given up (and the next one tried)."""
+
+
+async def _receive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, size: int) -> bytearray:
+    """A state's ``size`` bytes (already checked against what this peer accepts), read through the
+    paced bulk path (credits back to the donor, zero-copy reads); a donor that sends nothing for
+    ``STALL_WAIT`` (frozen mid-transfer) raises StateError, however slow but steady it is otherwise."""
+    buf = bytearray(size)
+    seen = [time.monotonic(), 0]
+
+    def progress(done: int) -> None:
+        seen[0], seen[1] = time.monotonic(), done
+
+    task = asyncio.ensure_future(bulk.recv_into(reader, writer, memoryview(buf), progress))
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=min(1.0, STALL_WAIT))
+            if not task.done() and time.monotonic() - seen[0] > STALL_WAIT:
+                raise StateError(f"sent nothing for {STALL_WAIT:.0f} s ({seen[1]} of {size} bytes in)")
+        task.result()
+        return buf
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 @dataclass
@@ -101,10 +125,7 @@ class StateServer:
             return True
         async with self._uploads:
             await rpc.write_message(writer, {"step": state.step, "size": len(state.blob)})
-            view = memoryview(state.blob)
-            for i in range(0, len(view), CHUNK):
-                writer.write(view[i:i + CHUNK])
-                await writer.drain()
+            await bulk.send_paced(writer, reader, memoryview(state.blob), CHUNK)  # paced by the newcomer's credits
             await rpc.wait_peer_closed(reader, UPLOAD_GRACE)  # the newcomer closes once it has it all
             logger.info(f"sent the state of step {state.step} ({len(state.blob) / 1e6:.1f} MB) to {info.peer_id}")
         return False
@@ -156,16 +177,6 @@ class StateServer:
             if size > limit:
                 raise ProtocolError(f"it announces a state of {size} bytes, more than this peer accepts "
                                     f"({limit} bytes: its own model's state, with room for the optimizer's)")
-            parts, got = [], 0
-            while got < size:  # a donor that stops sending (frozen mid-transfer) fails after STALL_WAIT
-                try:  # whatever has arrived: a slow but steady link never trips this
-                    part = await asyncio.wait_for(reader.read(min(CHUNK, size - got)), STALL_WAIT)
-                except asyncio.TimeoutError:
-                    raise StateError(f"sent nothing for {STALL_WAIT:.0f} s ({got} of {size} bytes in)") from None
-                if not part:
-                    raise asyncio.IncompleteReadError(b"", size - got)
-                parts.append(part)
-                got += len(part)
-            return step, b"".join(parts)
+            return step, bytes(await _receive(reader, writer, size))
         finally:
             writer.close()
