@@ -10,10 +10,18 @@ import enum
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable
 
 logger = logging.getLogger(__name__)
+
+
+MAX_WEIGHT = float(1 << 40)
+"""No weight (samples toward one step) above 2^40 is accepted anywhere (averaging/bounds.py)."""
+
+
+def weight_ok(weight: float) -> bool:
+    return math.isfinite(weight) and 0 <= weight <= MAX_WEIGHT
 
 
 class Role(str, enum.Enum):
@@ -198,3 +206,63 @@ class CapabilityRecord:
             logger.debug(f"ignoring out-of-range capability record from {peer_id}")
             return None
         return rec
+
+
+MAX_MEMBERS = 4096
+MAX_NUMEL = 1 << 34
+
+
+@dataclass(frozen=True)
+class ReadyRecord:
+    """A peer ready to average a step (``{run}.ready.{step}``); a join request carries the same fields."""
+
+    peer_id: str
+    weight: float
+    share: float
+    client: bool = False
+    fetch: bool = True
+    """Whether it needs the result (False: an aggregator-only peer, which contributes nothing)."""
+    private: bool = False
+    """Behind NAT: never leads."""
+    numel: int = 0
+    """The vector's size (0: not given, as in a join request)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"w": self.weight, "s": self.share, "c": self.client, "f": self.fetch, "p": self.private,
+                "n": self.numel}
+
+    @classmethod
+    def from_wire(cls, peer_id: str, obj: Any) -> "ReadyRecord | None":
+        try:
+            rec = cls(peer_id, float(obj["w"]), float(obj["s"]), bool(obj["c"]), bool(obj.get("f", True)),
+                      bool(obj.get("p", False)))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            logger.debug(f"ignoring malformed ready record of {peer_id}")
+            return None
+        if not (weight_ok(rec.weight) and math.isfinite(rec.share) and rec.share >= 0) or \
+                (not rec.fetch and (rec.weight > 0 or rec.client or rec.private)):
+            logger.debug(f"ignoring out-of-range ready record of {peer_id}")  # an aggregator-only peer
+            return None  # contributes nothing and must be reachable
+        n = obj.get("n", 0)
+        return replace(rec, numel=n) if isinstance(n, int) and 0 < n <= MAX_NUMEL else rec
+
+
+@dataclass(frozen=True)
+class ClosedRecord:
+    """The group a leader closed for a step (``{run}.closed.{step}``, under the leader's subkey), or
+    its withdrawal (``members`` None: the leader's round failed, which closes nothing)."""
+
+    leader: str
+    members: tuple[str, ...] | None
+
+    def to_wire(self) -> Any:
+        return list(self.members) if self.members is not None else {"failed": True}
+
+    @classmethod
+    def from_wire(cls, leader: str, obj: Any) -> "ClosedRecord | None":
+        if isinstance(obj, dict) and obj.get("failed") is True:
+            return cls(leader, None)
+        if isinstance(obj, list) and len(obj) <= MAX_MEMBERS and all(isinstance(m, str) for m in obj):
+            return cls(leader, tuple(obj))
+        logger.debug(f"ignoring malformed closed record of {leader}")
+        return None

@@ -441,3 +441,18 @@ def test_claim_bounds_count_implausible_samples_at_their_bound_and_bound_weights
     v = claims.observe(view(5, ("a", 10**6, 10.0)), now=111.0)
     assert v.peers[0].samples == 10**6
     assert w.excess("b", 10**9) and w.excess("a", 90) is None
+
+
+def test_ready_and_closed_records_round_trip_and_refuse_malformed_ones():
+    from dedloc.records import MAX_WEIGHT, ClosedRecord, ReadyRecord
+
+    rec = ReadyRecord("p", 16.0, 1.0, numel=1000)
+    assert ReadyRecord.from_wire("p", rec.to_wire()) == rec
+    for bad in ({"w": MAX_WEIGHT * 2, "s": 1.0, "c": False}, {"w": 1.0, "s": -1.0, "c": False},
+                {"w": 1.0, "s": 1.0, "c": False, "f": False}, {"w": "x"}, [1, 2], None):
+        assert ReadyRecord.from_wire("p", bad) is None, bad
+    assert ReadyRecord.from_wire("p", {"w": 1.0, "s": 1.0, "c": False, "n": -5}).numel == 0
+    assert ClosedRecord.from_wire("l", ClosedRecord("l", ("a", "b")).to_wire()) == ClosedRecord("l", ("a", "b"))
+    assert ClosedRecord.from_wire("l", ClosedRecord("l", None).to_wire()) == ClosedRecord("l", None)
+    for bad in ("x", [1], {"failed": 1}, ["a"] * 5000):
+        assert ClosedRecord.from_wire("l", bad) is None, bad

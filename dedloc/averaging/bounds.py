@@ -13,17 +13,15 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-MAX_WEIGHT = float(1 << 40)
+from dedloc.records import MAX_WEIGHT, weight_ok
+
+__all__ = ["MAX_WEIGHT", "MAX_WEIGHTED", "FOLLOWER_TOLERANCE", "TOO_LARGE", "WeightBounds", "weight_ok"]
+
 MAX_WEIGHTED = 1e30
 FOLLOWER_TOLERANCE = 2.0
 TOO_LARGE = "contains NaN or inf values, or values whose product with its weight exceeds 1e30"
-
-
-def weight_ok(weight: float) -> bool:
-    return math.isfinite(weight) and 0 <= weight <= MAX_WEIGHT
 
 
 @dataclass(frozen=True)

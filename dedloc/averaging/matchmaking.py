@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, NoReturn
 
 from hivemind.p2p import PeerID
 
-from dedloc.averaging.bounds import FOLLOWER_TOLERANCE, WeightBounds, weight_ok
+from dedloc.averaging.bounds import FOLLOWER_TOLERANCE, WeightBounds
 from dedloc.averaging.group import Group, Member, split_into_subgroups
 from dedloc.averaging.wire import VERSION
 from dedloc.config import AveragingConfig
@@ -45,6 +44,7 @@ from dedloc.errors import MatchmakingError, MissedRoundError, ProtocolError
 from dedloc.logs import PerPeerWarnings
 from dedloc.net import rpc
 from dedloc.net.node import Node
+from dedloc.records import ClosedRecord, ReadyRecord
 
 logger = logging.getLogger(__name__)
 POLL = 0.05
@@ -85,15 +85,15 @@ SharePolicy = Callable[[tuple[Member, ...], int], Awaitable[tuple[float, ...]]]
 
 
 def _parse_entry(peer_id: str, value: Any) -> Member | None:
-    try:
-        w, s, c, f = float(value["w"]), float(value["s"]), bool(value["c"]), bool(value.get("f", True))
-        p = bool(value.get("p", False))
-    except (KeyError, TypeError, ValueError, AttributeError):
-        logger.debug(f"ignoring malformed ready record of {peer_id}")
+    """The member a ready record or a join request describes (None if malformed: records.ReadyRecord)."""
+    rec = ReadyRecord.from_wire(peer_id, value)
+    if rec is None:
         return None
-    if not (weight_ok(w) and math.isfinite(s) and s >= 0) or (not f and (w > 0 or c or p)):
-        return None  # an aggregator-only peer contributes nothing and must be reachable
-    return Member(peer_id, w, 0.0 if c else s, c, f, p)
+    return Member(peer_id, rec.weight, 0.0 if rec.client else rec.share, rec.client, rec.fetch, rec.private)
+
+
+def _ready_record(me: Member, numel: int = 0) -> ReadyRecord:
+    return ReadyRecord(me.peer_id, me.weight, me.share, me.client, me.fetch, me.private, int(numel))
 
 
 class Matchmaker:
@@ -162,7 +162,7 @@ class Matchmaker:
         logger.info(f"step {step}: the round this peer led failed; the step is open again for the others")
         if led.held:  # its closed record must no longer close the step (bounded: the caller waits for this)
             try:
-                await asyncio.wait_for(self.node.store(self.node.key("closed", step), self.me, {"failed": True},
+                await asyncio.wait_for(self.node.store(self.node.key("closed", step), self.me, ClosedRecord(self.me, None).to_wire(),
                                                        ttl=self._closed_ttl()), self.config.matchmaking_time)
             except Exception as e:
                 logger.debug(f"step {step}: could not withdraw the closed record: {e!r}")
@@ -183,18 +183,17 @@ class Matchmaker:
 
         Lets an aggregator-only peer, which holds no model, join the rounds it can serve."""
         sizes = []
-        for _, (value, _) in (await self.node.get(self.node.key("ready", step))).items():
-            try:
-                if float(value["w"]) > 0 and 0 < int(value["n"]) <= 1 << 34:
-                    sizes.append(int(value["n"]))
-            except (KeyError, TypeError, ValueError, AttributeError):
-                continue
+        for peer, (value, _) in (await self.node.get(self.node.key("ready", step))).items():
+            rec = ReadyRecord.from_wire(peer, value)
+            if rec is not None and rec.weight > 0 and rec.numel > 0:
+                sizes.append(rec.numel)
         return max(set(sizes), key=sizes.count) if sizes else 0
 
     async def closed_round(self, step: int) -> dict[str, list[str]]:
         """Leader -> members of every group closed for ``step``, as published in the DHT."""
-        return {leader: value for leader, (value, _) in (await self.node.get(self.node.key("closed", step))).items()
-                if isinstance(value, list)}
+        records = (ClosedRecord.from_wire(leader, value)
+                   for leader, (value, _) in (await self.node.get(self.node.key("closed", step))).items())
+        return {r.leader: list(r.members) for r in records if r is not None and r.members is not None}
 
     async def _closed_without_me(self, step: int) -> str | None:
         return next((leader for leader, members in (await self.closed_round(step)).items()
@@ -228,10 +227,7 @@ class Matchmaker:
         me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client, self.fetch, self.private)
         started, ready_ttl = loop.time(), 3 * t + gather + self.config.averaging_timeout
         _, closed_by = await asyncio.gather(
-            self.node.store(self.node.key("ready", step), self.me,
-                            {"w": me.weight, "s": me.share, "c": me.client, "f": me.fetch, "p": me.private,
-                             "n": int(numel)},
-                            ttl=ready_ttl),
+            self.node.store(self.node.key("ready", step), self.me, _ready_record(me, numel).to_wire(), ttl=ready_ttl),
             self._closed_without_me(step))
         if closed_by:  # a late peer learns it at once instead of after the gather window
             self._missed(step, closed_by)
@@ -305,7 +301,8 @@ class Matchmaker:
         state.held = _holds_state(members)
         state.done.set()  # answer the joiners first: the record below can wait on a slow DHT
         if state.held:
-            await self.node.store(self.node.key("closed", step), self.me, [m.peer_id for m in members],
+            await self.node.store(self.node.key("closed", step), self.me,
+                                  ClosedRecord(self.me, tuple(m.peer_id for m in members)).to_wire(),
                                   ttl=self._closed_ttl())
         else:
             logger.info(f"step {step}: led a group in which no member can hand the state on (clients and "
@@ -410,8 +407,7 @@ class Matchmaker:
                           gather: float, numel: int, timeout: float) -> Group:
         loop = asyncio.get_running_loop()
         self._decision(step).set()
-        request = {"v": VERSION, "step": step, "w": me.weight, "s": me.share, "c": me.client, "f": me.fetch,
-                   "p": me.private, "g": gather, "i": self.incarnation}
+        request = {"v": VERSION, "step": step, **_ready_record(me).to_wire(), "g": gather, "i": self.incarnation}
         tried: set[str] = set()
         leader = candidates[0]
         broken = 0
