@@ -10,7 +10,7 @@ import enum
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
 logger = logging.getLogger(__name__)
@@ -213,38 +213,54 @@ MAX_NUMEL = 1 << 34
 
 
 @dataclass(frozen=True)
-class ReadyRecord:
-    """A peer ready to average a step (``{run}.ready.{step}``); a join request carries the same fields."""
-
+class Member:
     peer_id: str
+    """Base58 libp2p peer id."""
     weight: float
+    """Samples behind this member's contribution; 0 for an aggregator-only peer."""
     share: float
+    """Relative share of the vector this member aggregates; 0 for client-mode peers."""
     client: bool = False
     fetch: bool = True
-    """Whether it needs the result (False: an aggregator-only peer, which contributes nothing)."""
+    """Needs the averaged result (False for an aggregator-only peer)."""
     private: bool = False
-    """Behind NAT: never leads."""
+    """Behind NAT (found by dial-back): never leads, represents a subgroup or sits where a ring
+    neighbour must dial it; aggregates only where the leader's planner saw it publish a direct
+    (punched) path to every other member."""
+
+    @property
+    def reachable(self) -> bool:
+        """Every member can open a stream to it (not in client mode, not behind NAT)."""
+        return not self.client and not self.private
+
+
+@dataclass(frozen=True)
+class ReadyRecord:
+    """A peer ready to average a step (``{run}.ready.{step}``): the member it would be, and the
+    vector's size. A join request carries the same fields (without the size)."""
+
+    member: Member
     numel: int = 0
-    """The vector's size (0: not given, as in a join request)."""
+    """The vector's size (0: not given)."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"w": self.weight, "s": self.share, "c": self.client, "f": self.fetch, "p": self.private,
-                "n": self.numel}
+        m = self.member
+        return {"w": m.weight, "s": m.share, "c": m.client, "f": m.fetch, "p": m.private, "n": self.numel}
 
     @classmethod
     def from_wire(cls, peer_id: str, obj: Any) -> "ReadyRecord | None":
+        """The record, with a client's share as 0; None (logged at DEBUG) if malformed or out of range."""
         try:
-            rec = cls(peer_id, float(obj["w"]), float(obj["s"]), bool(obj["c"]), bool(obj.get("f", True)),
-                      bool(obj.get("p", False)))
+            w, s, c = float(obj["w"]), float(obj["s"]), bool(obj["c"])
+            f, p = bool(obj.get("f", True)), bool(obj.get("p", False))
         except (KeyError, TypeError, ValueError, AttributeError):
             logger.debug(f"ignoring malformed ready record of {peer_id}")
             return None
-        if not (weight_ok(rec.weight) and math.isfinite(rec.share) and rec.share >= 0) or \
-                (not rec.fetch and (rec.weight > 0 or rec.client or rec.private)):
+        if not (weight_ok(w) and math.isfinite(s) and s >= 0) or (not f and (w > 0 or c or p)):
             logger.debug(f"ignoring out-of-range ready record of {peer_id}")  # an aggregator-only peer
             return None  # contributes nothing and must be reachable
         n = obj.get("n", 0)
-        return replace(rec, numel=n) if isinstance(n, int) and 0 < n <= MAX_NUMEL else rec
+        return cls(Member(peer_id, w, 0.0 if c else s, c, f, p), n if isinstance(n, int) and 0 < n <= MAX_NUMEL else 0)
 
 
 @dataclass(frozen=True)

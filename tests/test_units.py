@@ -444,10 +444,11 @@ def test_claim_bounds_count_implausible_samples_at_their_bound_and_bound_weights
 
 
 def test_ready_and_closed_records_round_trip_and_refuse_malformed_ones():
-    from dedloc.records import MAX_WEIGHT, ClosedRecord, ReadyRecord
+    from dedloc.records import MAX_WEIGHT, ClosedRecord, Member, ReadyRecord
 
-    rec = ReadyRecord("p", 16.0, 1.0, numel=1000)
+    rec = ReadyRecord(Member("p", 16.0, 1.0), numel=1000)
     assert ReadyRecord.from_wire("p", rec.to_wire()) == rec
+    assert ReadyRecord.from_wire("p", {"w": 1.0, "s": 3.0, "c": True}).member.share == 0.0  # a client aggregates nothing
     for bad in ({"w": MAX_WEIGHT * 2, "s": 1.0, "c": False}, {"w": 1.0, "s": -1.0, "c": False},
                 {"w": 1.0, "s": 1.0, "c": False, "f": False}, {"w": "x"}, [1, 2], None):
         assert ReadyRecord.from_wire("p", bad) is None, bad

@@ -16,31 +16,10 @@ from typing import Any
 
 from dedloc.config import COMPRESSIONS, STRATEGIES
 from dedloc.errors import ProtocolError
+from dedloc.records import Member
 
 MAX_TIMEOUT = 3600.0
 """The longest round deadline a leader may set for its members."""
-
-
-@dataclass(frozen=True)
-class Member:
-    peer_id: str
-    """Base58 libp2p peer id."""
-    weight: float
-    """Samples behind this member's contribution; 0 for an aggregator-only peer."""
-    share: float
-    """Relative share of the vector this member aggregates; 0 for client-mode peers."""
-    client: bool = False
-    fetch: bool = True
-    """Needs the averaged result (False for an aggregator-only peer)."""
-    private: bool = False
-    """Behind NAT (found by dial-back): never leads, represents a subgroup or sits where a ring
-    neighbour must dial it; aggregates only where the leader's planner saw it publish a direct
-    (punched) path to every other member."""
-
-    @property
-    def reachable(self) -> bool:
-        """Every member can open a stream to it (not in client mode, not behind NAT)."""
-        return not self.client and not self.private
 
 
 def sub_round_id(round_id: bytes, tag: str) -> bytes:

@@ -87,13 +87,7 @@ SharePolicy = Callable[[tuple[Member, ...], int], Awaitable[tuple[float, ...]]]
 def _parse_entry(peer_id: str, value: Any) -> Member | None:
     """The member a ready record or a join request describes (None if malformed: records.ReadyRecord)."""
     rec = ReadyRecord.from_wire(peer_id, value)
-    if rec is None:
-        return None
-    return Member(peer_id, rec.weight, 0.0 if rec.client else rec.share, rec.client, rec.fetch, rec.private)
-
-
-def _ready_record(me: Member, numel: int = 0) -> ReadyRecord:
-    return ReadyRecord(me.peer_id, me.weight, me.share, me.client, me.fetch, me.private, int(numel))
+    return None if rec is None else rec.member
 
 
 class Matchmaker:
@@ -185,7 +179,7 @@ class Matchmaker:
         sizes = []
         for peer, (value, _) in (await self.node.get(self.node.key("ready", step))).items():
             rec = ReadyRecord.from_wire(peer, value)
-            if rec is not None and rec.weight > 0 and rec.numel > 0:
+            if rec is not None and rec.member.weight > 0 and rec.numel > 0:
                 sizes.append(rec.numel)
         return max(set(sizes), key=sizes.count) if sizes else 0
 
@@ -227,7 +221,7 @@ class Matchmaker:
         me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client, self.fetch, self.private)
         started, ready_ttl = loop.time(), 3 * t + gather + self.config.averaging_timeout
         _, closed_by = await asyncio.gather(
-            self.node.store(self.node.key("ready", step), self.me, _ready_record(me, numel).to_wire(), ttl=ready_ttl),
+            self.node.store(self.node.key("ready", step), self.me, ReadyRecord(me, int(numel)).to_wire(), ttl=ready_ttl),
             self._closed_without_me(step))
         if closed_by:  # a late peer learns it at once instead of after the gather window
             self._missed(step, closed_by)
@@ -407,7 +401,7 @@ class Matchmaker:
                           gather: float, numel: int, timeout: float) -> Group:
         loop = asyncio.get_running_loop()
         self._decision(step).set()
-        request = {"v": VERSION, "step": step, **_ready_record(me).to_wire(), "g": gather, "i": self.incarnation}
+        request = {"v": VERSION, "step": step, **ReadyRecord(me).to_wire(), "g": gather, "i": self.incarnation}
         tried: set[str] = set()
         leader = candidates[0]
         broken = 0
