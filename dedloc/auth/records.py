@@ -33,8 +33,6 @@ from dedloc.net.identity import public_key_of
 
 logger = logging.getLogger(__name__)
 _DOMAIN = b"dedloc record v1\x00"
-MAX_KEYS = 4096
-"""Public keys remembered (by peer id), so a check costs one signature verification."""
 sender: contextvars.ContextVar[str | None] = contextvars.ContextVar("dedloc_dht_sender", default=None)
 """The peer whose DHT request is being served (set by auth/dht.py), for naming a forger in logs."""
 _warnings = PerPeerWarnings(logger)
@@ -51,7 +49,6 @@ class SignedRecords(RecordValidatorBase):
     def __init__(self, key: ed25519.Ed25519PrivateKey, peer_id: str, authorizer: Authorizer):
         self._key, self.peer_id, self.authorizer = key, peer_id, authorizer
         self._subkey = msgpack.packb(peer_id, use_bin_type=True)
-        self._keys: dict[str, ed25519.Ed25519PublicKey] = {}
 
     def __getstate__(self):
         raise TypeError("SignedRecords holds a private key and never leaves its process")
@@ -79,15 +76,10 @@ class SignedRecords(RecordValidatorBase):
             subkey = None
         if not isinstance(subkey, str):
             raise Unauthorized("its subkey is not a peer id (every record belongs to the peer named by its subkey)")
-        public = self._keys.get(subkey)
-        if public is None:
-            try:
-                public = public_key_of(subkey)
-            except ValueError as e:
-                raise Unauthorized(f"its subkey: {e}") from None
-            self._keys[subkey] = public
-            while len(self._keys) > MAX_KEYS:
-                self._keys.pop(next(iter(self._keys)))
+        try:
+            public = public_key_of(subkey)
+        except ValueError as e:
+            raise Unauthorized(f"its subkey: {e}") from None
         try:
             value, signature, credential = msgpack.unpackb(record.value, raw=False)
             if not isinstance(value, bytes) or not isinstance(signature, bytes) or \

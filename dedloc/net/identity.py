@@ -8,6 +8,7 @@ alone: records and requests are signed this way (see dedloc/auth).
 
 from __future__ import annotations
 
+import functools
 import os
 
 from cryptography.hazmat.primitives import serialization
@@ -32,9 +33,11 @@ def peer_id_of(key: ed25519.Ed25519PublicKey) -> str:
     return PeerID(bytes([0, len(public)]) + public).to_base58()  # the identity multihash of the public key
 
 
+@functools.lru_cache(maxsize=4096)
 def public_key_of(peer_id: str) -> ed25519.Ed25519PublicKey:
     """The Ed25519 public key inside ``peer_id``; ValueError for any other kind of id (an RSA ``Qm...``
-    id hashes its key, so nothing it signs can be checked from the id)."""
+    id hashes its key, so nothing it signs can be checked from the id). Remembers the 4096 most
+    recent ids (records and DHT requests check the same few peers over and over)."""
     try:
         raw = PeerID.from_base58(peer_id).to_bytes()
     except Exception:
