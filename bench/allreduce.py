@@ -10,6 +10,10 @@ With ``--auth``: dedloc only, in an open run and in an invite-only one (every st
 checked, every DHT request and record signed and verified), one after the other:
   invite_vs_open_total  total round time, invite-only / open
   invite_vs_open_cpu    CPU seconds of the peers' runtime processes and daemons, invite-only / open
+
+With ``--verify``: dedloc only, plain rounds and verified ones (AveragingConfig.verify: each
+part recomputed by its backup from second copies of the contributions), one after the other:
+  verified_vs_plain_total, verified_vs_plain_cpu
 """
 
 from __future__ import annotations
@@ -139,14 +143,15 @@ def _cpu_seconds(pids: list[int]) -> float:
 
 
 def bench_dedloc(peers: int, sizes: list[int], repeats: int, compression: str,
-                 invite_only: bool = False) -> dict[int, tuple[float, float, float]]:
+                 invite_only: bool = False, verify: bool = False) -> dict[int, tuple[float, float, float]]:
     """Per size: (median all-reduce s, median total s, CPU s per round of all peers' processes)."""
     import tempfile
 
     from dedloc import AveragingConfig
     from dedloc.peer import start_peers
 
-    cfg = AveragingConfig(matchmaking_time=2.0, averaging_timeout=900, compression=compression, probe_interval=0)
+    cfg = AveragingConfig(matchmaking_time=2.0, averaging_timeout=900, compression=compression, probe_interval=0,
+                          verify=verify)
     scratch = tempfile.mkdtemp(prefix="dedloc-bench-")
     group = start_peers(_configs(peers, invite_only, scratch), cfg)
     pids = [p.runtime.pid for p in group]
@@ -184,18 +189,21 @@ def main() -> None:
     ap.add_argument("--compression", default="none", choices=["none", "float16"])
     ap.add_argument("--skip-hivemind", action="store_true")
     ap.add_argument("--auth", action="store_true", help="instead: open vs invite-only dedloc rounds")
+    ap.add_argument("--verify", action="store_true", help="instead: plain vs verified dedloc rounds")
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    if args.auth:
-        opened = bench_dedloc(args.peers, sizes, args.repeats, args.compression)
-        invited = bench_dedloc(args.peers, sizes, args.repeats, args.compression, invite_only=True)
+    if args.auth or args.verify:
+        a, b = ("open", "invite") if args.auth else ("plain", "verified")
+        first = bench_dedloc(args.peers, sizes, args.repeats, args.compression)
+        second = bench_dedloc(args.peers, sizes, args.repeats, args.compression, invite_only=args.auth,
+                              verify=args.verify)
         for n in sizes:
-            (o, ot, oc), (i, it, ic) = opened[n], invited[n]
-            print(json.dumps({"numel": n, "peers": args.peers, "open_allreduce_s": round(o, 4),
-                              "open_total_s": round(ot, 4), "invite_allreduce_s": round(i, 4),
-                              "invite_total_s": round(it, 4), "invite_vs_open_total": round(it / ot, 3),
-                              "open_cpu_s": round(oc, 3), "invite_cpu_s": round(ic, 3),
-                              "invite_vs_open_cpu": round(ic / oc, 3) if oc else None}), flush=True)
+            (x, xt, xc), (y, yt, yc) = first[n], second[n]
+            print(json.dumps({"numel": n, "peers": args.peers, f"{a}_allreduce_s": round(x, 4),
+                              f"{a}_total_s": round(xt, 4), f"{b}_allreduce_s": round(y, 4),
+                              f"{b}_total_s": round(yt, 4), f"{b}_vs_{a}_total": round(yt / xt, 3),
+                              f"{a}_cpu_s": round(xc, 3), f"{b}_cpu_s": round(yc, 3),
+                              f"{b}_vs_{a}_cpu": round(yc / xc, 3) if xc else None}), flush=True)
         return
     ours = bench_dedloc(args.peers, sizes, args.repeats, args.compression)
     gloo = bench_gloo(args.peers, sizes, args.repeats)

@@ -67,7 +67,9 @@ class PeerConfig:
     peer that knows the run id and an address may take part). With it, the run is invite-only:
     every stream, DHT request and record must come from a peer holding the owner's invitation."""
     invite: str = ""
-    """This peer's invitation to an invite-only run (`dedloc invite PEER_ID` prints it)."""
+    """This peer's invitation to an invite-only run (`dedloc invite PEER_ID` prints it), or a file
+    holding it: the file is re-read when it changes, so writing a new invitation into it renews a
+    running peer."""
     revocations: str = ""
     """The owner's revocation list file (`dedloc revoke` writes it): this peer applies it and
     publishes it to the run, re-reading it every 30 s. Usually given to the owner's backbone."""
@@ -122,6 +124,12 @@ class AveragingConfig:
     """'none' or 'float16' on the wire."""
     chunk_bytes: int = 4 << 20
     """Bytes per socket write/read when streaming a part."""
+    verify: bool = False
+    """Verified rounds (set by a round's leader for its group): every part's backup aggregator
+    recomputes the part from copies of the same contributions and confirms it only if the
+    aggregator's result matches; every member checks its copy against the backup's digest. A
+    mismatch fails the part over to the backup and names the aggregator. Costs each sender a
+    second upload of its contributions (docs/averaging.md, "Verified rounds")."""
     share: float | None = None
     """This peer's aggregation share hint (None: 1 for reachable peers, 0 in client mode). 0 means
     never aggregate, whatever the planner says; other values matter only with planner='declared'."""

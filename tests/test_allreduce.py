@@ -38,7 +38,7 @@ def test_weighted_mean_with_client_and_aggregator_only(make_peers):
     assert peers[3].maddrs == []
 
 
-def test_ring_strategy_and_float16_wire(make_peers):
+def test_ring_strategy_and_verified_float16_wire(make_peers):
     peers = make_peers(3, clients=(2,), averaging=AveragingConfig(matchmaking_time=3, averaging_timeout=20,
                                                                    strategy="ring"))
     gen = torch.Generator().manual_seed(2)
@@ -48,11 +48,14 @@ def test_ring_strategy_and_float16_wire(make_peers):
     average_all(peers, xs, ws, 0)
     check_exact_and_identical(xs, ref)
 
-    peers = make_peers(3, averaging=AveragingConfig(matchmaking_time=3, averaging_timeout=20, compression="float16"))
+    # a verified round on the float16 wire: every part recomputed by its backup and checked by the others
+    peers = make_peers(3, averaging=AveragingConfig(matchmaking_time=3, averaging_timeout=20, compression="float16",
+                                                    verify=True))
     xs = [torch.randn(50_000, generator=gen) for _ in peers]
     ref = sum(w * x for w, x in zip(ws, xs)) / sum(ws)
-    average_all(peers, xs, ws, 0)
+    stats = average_all(peers, xs, ws, 0)
     check_exact_and_identical(xs, ref, atol=2e-2)
+    assert [s["verified"] for s in stats] == [2, 2, 2] and all(s["failovers"] == 0 for s in stats)
 
 
 def test_hierarchical_groups_give_every_peer_the_same_mean(make_peers):

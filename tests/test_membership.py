@@ -4,6 +4,7 @@ and records belong to the peer that signed them (dedloc/auth, net/serve.py)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import concurrent.futures as cf
 import time
@@ -17,7 +18,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from conftest import run_id
 from dedloc import Peer
-from dedloc.auth.authorizer import OpenRun
+from dedloc.auth.authorizer import OpenRun, make_authorizer
 from dedloc.auth.invitation import Invitation, RunOwner, owner_public_key
 from dedloc.averaging.wire import VERSION
 from dedloc.config import AveragingConfig, PeerConfig
@@ -259,3 +260,80 @@ def test_a_peer_cannot_write_overwrite_or_extend_another_peers_record(tmp_path, 
     for why in ("is not a signed record", f"is not signed by {me}"):  # the first at WARNING, the rest at DEBUG
         assert f"refused a DHT record from peer {mallory}: the record under {me} {why}" in caplog.text, why
     assert f"refused a DHT record from peer {mallory}: its subkey is not a peer id" in caplog.text
+
+
+def test_a_member_flooding_dht_requests_is_cut_off_and_named(tmp_path, caplog):
+    """Past its burst of DHT requests, a member's requests get no answer (WARNING naming it); another
+    member's requests are still answered: the budget is per signed sender."""
+    from dedloc.auth.dht import DHT_BURST
+
+    owner = RunOwner.init(str(tmp_path / "run"), run_id())
+
+    async def main():
+        a = await Node.create(member(owner, tmp_path, "a"))
+        maddrs = tuple(await a.visible_maddrs())
+        b = await Node.create(PeerConfig(**{**member(owner, tmp_path, "b").__dict__, "initial_peers": maddrs}))
+        c = await Node.create(PeerConfig(**{**member(owner, tmp_path, "c").__dict__, "initial_peers": maddrs}))
+        try:
+            flood = int(DHT_BURST) + 300
+            answers = await asyncio.gather(*(b.dht.protocol.call_ping(a.peer_id, validate=False)
+                                             for _ in range(flood)))
+            answered = sum(x is not None for x in answers)
+            assert DHT_BURST - 50 <= answered < flood, answered  # the burst, plus what refilled meanwhile
+            assert await c.dht.protocol.call_ping(a.peer_id, validate=False) is not None
+            return b.peer_id.to_base58()
+        finally:
+            await c.shutdown()
+            await b.shutdown()
+            await a.shutdown()
+
+    with caplog.at_level("WARNING", logger="dedloc.auth.dht"):
+        flooder = asyncio.run(main())
+    assert f"from {flooder}: too many DHT requests from this peer" in caplog.text, caplog.text
+
+
+def test_a_running_peer_renews_its_invitation_from_its_file(tmp_path, monkeypatch, caplog):
+    """An invitation given as a file is re-read when the file changes: a longer one for this peer is
+    adopted (and admitted by others), a wrong or shorter one is ignored by name; a short-lived one
+    warns that it must be renewed, and how."""
+    from dedloc.auth import authorizer as auth
+    from dedloc.auth.authorizer import InviteOnly
+
+    monkeypatch.setattr(auth, "RENEW_CHECK_S", 0.0)
+    owner = RunOwner.init(str(tmp_path / "run"), run_id())
+    me = create_identity(tmp_path / "me.key")
+    other = create_identity(tmp_path / "other.key")
+    path = tmp_path / "invite.txt"
+    first = owner.invite(me, 3600)
+    path.write_text(first + "\n")
+    mine = InviteOnly(owner.run_id, owner.public, str(path), me)
+    theirs = InviteOnly(owner.run_id, owner.public, owner.invite(other, 86400 * 7), other)
+
+    def write(text: str) -> None:  # a new mtime each time, as an editor or `>` would give
+        path.write_text(text)
+        st = path.stat()
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000 * (1 + len(caplog.records))))
+
+    with caplog.at_level("INFO", logger="dedloc.auth.authorizer"):
+        assert mine.credential() == first
+        assert "this peer's invitation expires in 1.0 h" in caplog.text and f"write it into {path}" in caplog.text
+        write(owner.invite(other, 86400 * 30))  # someone else's
+        assert mine.credential() == first
+        assert f"ignored the new invitation in {path}: the invitation is for peer {other}" in caplog.text
+        write(owner.invite(me, 60))  # shorter
+        assert mine.credential() == first
+        assert "it expires no later than the one held" in caplog.text
+        longer = owner.invite(me, 86400 * 30)
+        write(longer)
+        assert mine.credential() == longer
+        assert "renewed this peer's invitation: it expires in 30.0 days" in caplog.text
+    theirs.admit(me, mine.credential())
+
+
+def test_an_invitation_file_that_cannot_be_read_fails_at_start_by_name(tmp_path):
+    owner = RunOwner.init(str(tmp_path / "run"), run_id())
+    config = member(owner, tmp_path, "a")
+    missing = str(tmp_path / "no-such-file")
+    with pytest.raises(ConfigError, match="cannot read the invitation file .*no-such-file"):
+        make_authorizer(owner.run_id, owner.public, missing, Invitation.verify(
+            config.invite, owner_public_key(owner.public), owner.run_id).peer_id)

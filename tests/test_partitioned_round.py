@@ -8,10 +8,12 @@ it before the backup has confirmed that it holds a copy.
 import asyncio
 import socket
 
+import pytest
 import torch
 
 from dedloc.averaging.bounds import TOO_LARGE
 from dedloc.averaging.allreduce import PartitionedRound
+from dedloc.averaging.round_aggregator import AggregatorRole
 from dedloc.averaging.round_member import MemberRole
 from dedloc.averaging.group import Group, Member
 from dedloc.averaging.wire import Kind, read_header, write_frame
@@ -135,3 +137,117 @@ def test_a_contribution_failing_after_its_part_streamed_fails_the_part_over():
     assert all(r.stats.failovers == 1 for r in rounds)
     assert "f0>1" in labels(rounds[0]) and "f0>1" in labels(rounds[2]) and "r0<1" in labels(rounds[3])
     assert rounds[0].stats.excluded == {"p3": TOO_LARGE}
+
+
+class Cheater(AggregatorRole):
+    """An aggregator that adds 1000 to the first quarter of its part, in the copies it sends to
+    ``victims`` (every member, or all but its backup)."""
+
+    spare_backup = False
+
+    async def _stream(self, reader, writer, to, hold=None):
+        c, part = self.c, self.part
+        if self.spare_backup and c.group.backup(c.me) == to:
+            return await super()._stream(reader, writer, to, hold)
+        await part.done.wait()
+        wrong = part.wire.clone()
+        wrong[: wrong.numel() // 4] += 1000
+        await write_frame(writer, Kind.RESULT, c.group.round_id, c.me, part.total_weight, wrong, c.chunk_bytes,
+                          reader, hold)
+
+
+class CheatingRound(PartitionedRound):
+    aggregator_role = Cheater
+
+
+class TwoFacedCheater(Cheater):
+    spare_backup = True
+
+
+class TwoFacedRound(PartitionedRound):
+    aggregator_role = TwoFacedCheater
+
+
+def verified_group(n: int) -> Group:
+    return Group(RID, 0, tuple(Member(f"p{i}", float(i + 1), 1.0) for i in range(n)), verify=True)
+
+
+def test_a_verified_round_gives_the_same_result_and_checks_every_part():
+    """Verification changes nothing in an honest round: bit-identical to the unverified round; each
+    backup recomputed its part and every other member checked its copy against the backup's."""
+    numel = 1_000_003
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(numel, generator=gen) for _ in range(4)]
+    plain = Group(RID, 0, tuple(Member(f"p{i}", float(i + 1), 1.0) for i in range(4)))
+    expected, _ = asyncio.run(run_rounds(plain, [x.clone() for x in xs], [PartitionedRound] * 4))
+
+    outs, rounds = asyncio.run(run_rounds(verified_group(4), xs, [PartitionedRound] * 4))
+
+    for out in outs:
+        assert isinstance(out, torch.Tensor), out
+        assert torch.equal(out, expected[0])
+    assert all(r.stats.failovers == 0 and r.stats.verified == 3 for r in rounds)  # 1 recomputed + 2 checked
+    for j, r in enumerate(rounds):
+        b = (j + 1) % 4  # the backup of part j
+        assert f"v{j}>{b}" in labels(r)  # j's own contribution copied to its backup
+
+
+@pytest.mark.parametrize("cheat", [CheatingRound, TwoFacedRound], ids=["same-lie-to-all", "honest-to-backup-only"])
+def test_an_aggregator_that_changes_its_part_is_caught(cheat, caplog):
+    """Aggregator 0 adds 1000 to a quarter of its part: in every copy (its backup refuses it, and
+    everyone takes the backup's recomputation), or in every copy but its backup's (every other member
+    finds its copy differs from the backup's digest). Either way the honest members end with the exact
+    mean, identical, and aggregator 0 is named."""
+    numel = 400_001
+    group = verified_group(4)
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(numel, generator=gen) for _ in range(4)]
+    ref = sum((i + 1) * x for i, x in enumerate(xs)) / 10
+
+    with caplog.at_level("WARNING", logger="dedloc.averaging"):
+        outs, rounds = asyncio.run(run_rounds(group, xs, [cheat, PartitionedRound, PartitionedRound,
+                                                          PartitionedRound]))
+
+    for out in outs[1:]:
+        assert isinstance(out, torch.Tensor), out
+        assert torch.equal(out, outs[1])
+    torch.testing.assert_close(outs[1], ref, atol=1e-5, rtol=1e-5)
+    assert "aggregator p0 failed for part 0" in caplog.text, caplog.text
+    assert rounds[2].stats.failovers == rounds[3].stats.failovers == 1
+    if cheat is CheatingRound:
+        assert "not verified: its values differ from the recomputation" in caplog.text
+        assert isinstance(outs[0], torch.Tensor) and torch.equal(outs[0], outs[1])  # it took the backup's copy too
+    else:
+        assert "differs from the copy its backup verified" in caplog.text
+
+
+class Mute(AggregatorRole):
+    """An aggregator whose result streams all break (it is cut off from everyone after reducing)."""
+
+    async def _stream(self, reader, writer, to, hold=None):
+        raise ConnectionError("cut off")
+
+
+class MuteRound(PartitionedRound):
+    aggregator_role = Mute
+
+
+def test_in_a_verified_round_the_backup_serves_its_recomputation_at_once(caplog):
+    """Aggregator 0 reduces its part but cannot deliver it. Its backup already recomputed the part
+    from the copies (aggregator 0's own contribution included), so every member takes that, without
+    the failover's re-sent contributions: the exact mean over all four."""
+    numel = 200_003
+    group = verified_group(4)
+    gen = torch.Generator().manual_seed(13)
+    xs = [torch.randn(numel, generator=gen) for _ in range(4)]
+    ref = sum((i + 1) * x for i, x in enumerate(xs)) / 10
+
+    with caplog.at_level("INFO", logger="dedloc.averaging"):
+        outs, rounds = asyncio.run(run_rounds(group, xs, [MuteRound] + [PartitionedRound] * 3))
+
+    for out in outs:
+        assert isinstance(out, torch.Tensor), out
+        assert torch.equal(out, outs[0])
+    torch.testing.assert_close(outs[1], ref, atol=1e-5, rtol=1e-5)
+    assert "serving our recomputation of part 0" in caplog.text and "re-reduced part 0" not in caplog.text
+    assert [r.stats.failovers for r in rounds] == [0, 1, 1, 1]

@@ -14,6 +14,7 @@ never from a claim.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from abc import ABC, abstractmethod
 
@@ -22,6 +23,8 @@ from dedloc.errors import ConfigError, Unauthorized
 
 logger = logging.getLogger(__name__)
 CACHE = 4096
+RENEW_CHECK_S = 10.0
+"""How often a peer looks at its invitation file for a renewal (and at its invitation's expiry)."""
 """Verified invitations remembered (by token), so a check is a lookup after the first."""
 
 
@@ -61,28 +64,99 @@ class OpenRun(Authorizer):
 
 class InviteOnly(Authorizer):
     """Members hold an owner-signed invitation for their own peer id. Construction checks this
-    peer's own invitation and raises ConfigError naming what is wrong with it."""
+    peer's own invitation and raises ConfigError naming what is wrong with it.
+
+    The invitation may be given as a file (``invitation`` is then its path): the file is re-read
+    when it changes (looked at every ``RENEW_CHECK_S``), so a volunteer renews a running peer by
+    writing the owner's new token into it. A new token is adopted only if it is valid for this peer
+    and lasts longer than the one held; otherwise it is ignored with a WARNING. A WARNING also says,
+    once, when the held invitation has less than a day left, and again once it has expired."""
 
     invite_only = True
 
     def __init__(self, run_id: str, owner: str, invitation: str, peer_id: str):
-        self.run_id, self.owner = run_id, owner_public_key(owner)
+        self.run_id, self.owner, self.peer_id = run_id, owner_public_key(owner), peer_id
+        self.path: str | None = None
+        if not Invitation.is_token(invitation):
+            self.path = invitation
+            invitation = self._read_file()
         try:
-            own = Invitation.verify(invitation, self.owner, run_id)
+            own = self._check_own(invitation)
         except Unauthorized as e:
             raise ConfigError(f"invalid config: invite: {e}") from None
-        if own.peer_id != peer_id:
-            raise ConfigError(f"invalid config: invite: the invitation is for peer {own.peer_id}, but this peer is "
-                              f"{peer_id} (send the owner this peer id; `dedloc identity` prints it)")
-        self._own = invitation
+        self._own, self._own_inv = invitation, own
+        self._seen = (invitation, self._mtime())
+        self._next_look = time.monotonic() + RENEW_CHECK_S
+        self._warned: set[str] = set()
         self._verified: dict[str, Invitation] = {}
         self._revocations: Revocations | None = None
         self._revocations_text: str | None = None
         left = own.expires - time.time()
         logger.info(f"invite-only run {run_id!r}: this peer's invitation expires in {left / 86400:.1f} days")
 
+    def _read_file(self) -> str:
+        try:
+            with open(self.path) as f:
+                return f.read().strip()
+        except OSError as e:
+            raise ConfigError(f"invalid config: invite: cannot read the invitation file {self.path}: "
+                              f"{e.strerror or e}") from None
+
+    def _mtime(self) -> float | None:
+        try:
+            return os.stat(self.path).st_mtime if self.path else None
+        except OSError:
+            return None
+
+    def _check_own(self, text: str) -> Invitation:
+        own = Invitation.verify(text, self.owner, self.run_id)
+        if own.peer_id != self.peer_id:
+            raise Unauthorized(f"the invitation is for peer {own.peer_id}, but this peer is {self.peer_id} "
+                               f"(send the owner this peer id; `dedloc identity` prints it)")
+        return own
+
     def credential(self) -> str | None:
+        now = time.monotonic()
+        if now >= self._next_look:
+            self._next_look = now + RENEW_CHECK_S
+            self._renew()
         return self._own
+
+    def _renew(self) -> None:
+        """Adopt a newer invitation from the file, and warn about the held one's expiry."""
+        if self.path is not None and self._mtime() != self._seen[1]:
+            try:
+                text = self._read_file()
+            except ConfigError as e:
+                text = None
+                self._warn_once(str(e), str(e))
+            if text is not None and text != self._seen[0]:
+                self._seen = (text, self._mtime())
+                try:
+                    new = self._check_own(text)
+                    if new.expires <= self._own_inv.expires:
+                        raise Unauthorized("it expires no later than the one held")
+                except Unauthorized as e:
+                    logger.warning(f"ignored the new invitation in {self.path}: {e}")
+                else:
+                    self._own, self._own_inv = text, new
+                    self._warned.clear()
+                    logger.info(f"renewed this peer's invitation: it expires in "
+                                f"{(new.expires - time.time()) / 86400:.1f} days")
+        left = self._own_inv.expires - time.time()
+        where = f"write it into {self.path}" if self.path else "restart with it (or pass --invite a file to renew "\
+                                                                "without a restart)"
+        if left <= 0:
+            self._warn_once("expired", f"this peer's invitation has expired: other peers now refuse it. Ask the run "
+                                       f"owner for a new one (`dedloc invite {self.peer_id}`) and {where}")
+        elif left < 86400:
+            self._warn_once("soon", f"this peer's invitation expires in {left / 3600:.1f} h. Ask the run owner for a "
+                                    f"new one (`dedloc invite {self.peer_id}`) and {where}")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
 
     def admit(self, peer_id: str, credential: str | None) -> None:
         if not credential:

@@ -88,6 +88,11 @@ class Invitation:
     issued: float
     expires: float
 
+    @staticmethod
+    def is_token(text: str) -> bool:
+        """Whether ``text`` has an invitation token's form (else a config names a file holding one)."""
+        return text.startswith(_PREFIX + ".")
+
     @classmethod
     def verify(cls, token: str, owner: ed25519.Ed25519PublicKey, run_id: str, now: float | None = None) -> "Invitation":
         """The invitation ``token`` holds; Unauthorized naming why if it is forged, malformed, for

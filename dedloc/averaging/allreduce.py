@@ -42,6 +42,7 @@ from dedloc.averaging.round_aggregator import AggregatorRole
 from dedloc.averaging.round_core import OpenStream, RoundCore, RoundStats
 from dedloc.averaging.round_failover import FailoverRole
 from dedloc.averaging.round_member import MemberRole
+from dedloc.averaging.round_verifier import VerifierRole
 from dedloc.averaging.wire import Header, Kind, write_error
 from dedloc.errors import AveragingError
 
@@ -53,15 +54,18 @@ class PartitionedRound:
 
     member_role = MemberRole
     """The member role's class (a test substitutes a misbehaving one)."""
+    aggregator_role = AggregatorRole
+    """The aggregator role's class (likewise)."""
 
     def __init__(self, group: Group, me: int, local: torch.Tensor, weight: float, open_stream: OpenStream,
                  timeout: float, compression: str = "none", chunk_bytes: int = 4 << 20,
                  pool: BufferPool | None = None):
         self.core = RoundCore(group, me, local, weight, open_stream, timeout, compression, chunk_bytes, pool)
         self.group, self.me = group, me
-        self.failover = FailoverRole(self.core)
-        self.member = self.member_role(self.core, self.failover)
-        self.aggregator = AggregatorRole(self.core, self.member) if me in self.core.aggregators else None
+        self.verifier = VerifierRole(self.core)
+        self.failover = FailoverRole(self.core, self.verifier)
+        self.member = self.member_role(self.core, self.failover, self.verifier)
+        self.aggregator = self.aggregator_role(self.core, self.member) if me in self.core.aggregators else None
         self.served = self.aggregator.served if self.aggregator is not None else asyncio.Event()
         """Set once this member's part reached every member, or at the result deadline (after it,
         members fetch from the backup), or once the part is abandoned: from then on this member
@@ -122,6 +126,10 @@ class PartitionedRound:
         abandoned = header.part == self.me and agg is not None and agg.abandoned
         if header.kind == Kind.FAILOVER and (self.group.backup(header.part) == self.me or abandoned):
             return await self.failover.serve(k, header, reader, writer)
+        if header.kind == Kind.CHECK and self.verifier.checks(header.part):
+            return await self.verifier.serve_copy(k, header, reader, writer)
+        if header.kind == Kind.VERDICT and self.verifier.checks(header.part):
+            return await self.verifier.serve_verdict(k, header, writer)
         logger.warning(f"{c.prefix()}: unexpected {header.kind.name} for part {header.part} from {peer_id}")
         await write_error(writer, self.group.round_id, f"unexpected {header.kind.name} for part {header.part}")
         return True
@@ -131,6 +139,7 @@ class PartitionedRound:
         if self.aggregator is not None:
             self.aggregator.close()
         self.failover.close()
+        self.verifier.close()
 
 
 __all__ = ["PartitionedRound", "RoundStats"]

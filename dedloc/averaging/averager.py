@@ -268,6 +268,7 @@ class Averager:
             output = await rnd.run()
         finally:
             stats["failovers"] += rnd.stats.failovers
+            stats["verified"] = stats.get("verified", 0) + rnd.stats.verified
             stats["excluded"].update(rnd.stats.excluded)
             self._observed(rnd.stats, stats, rnd.served)
         weights = rnd.stats.part_weights

@@ -39,6 +39,9 @@ class Group:
     timeout: float | None = None
     """The round's deadline in seconds, the leader's ``averaging_timeout``: every member runs the
     round by it, so none gives up on a round that another still serves (None: each member's own)."""
+    verify: bool = False
+    """A verified round (the leader's ``AveragingConfig.verify``): each part's backup recomputes and
+    confirms it, and every member checks its copy against the backup's digest (docs/averaging.md)."""
 
     def __post_init__(self) -> None:
         ids = [m.peer_id for m in self.members]
@@ -119,6 +122,7 @@ class Group:
             "strategy": self.strategy,
             "compression": self.compression,
             **({"timeout": self.timeout} if self.timeout is not None else {}),
+            **({"verify": True} if self.verify else {}),
         }
 
     @classmethod
@@ -133,7 +137,11 @@ class Group:
             timeout = None if obj.get("timeout") is None else float(obj["timeout"])
             if timeout is not None and not 0 < timeout <= MAX_TIMEOUT:
                 raise ValueError(f"round timeout {timeout} outside (0, {MAX_TIMEOUT:.0f}] s")
-            group = cls(bytes(obj["round_id"]), int(obj["step"]), members, subgroups, strategy, compression, timeout)
+            verify = obj.get("verify", False)
+            if not isinstance(verify, bool):
+                raise ValueError(f"verify must be a boolean, got {verify!r}")
+            group = cls(bytes(obj["round_id"]), int(obj["step"]), members, subgroups, strategy, compression, timeout,
+                        verify)
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"malformed group description: {e}") from None
         if any(not (m.weight >= 0 and math.isfinite(m.weight)) or not (m.share >= 0 and math.isfinite(m.share))

@@ -290,7 +290,7 @@ class Matchmaker:
         else:  # no planner checked a NAT'd member's paths: it aggregates nothing
             members = tuple(replace(m, share=0.0) if m.private else m for m in members)
         group = Group(os.urandom(16), step, members, subgroups, self.config.strategy, self.config.compression,
-                      timeout)
+                      timeout, self.config.verify)
         state.group = group
         state.held = _holds_state(members)
         state.done.set()  # answer the joiners first: the record below can wait on a slow DHT

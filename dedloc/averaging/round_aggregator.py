@@ -21,8 +21,7 @@ import torch
 from dedloc.averaging.round_core import RoundCore
 from dedloc.averaging.round_member import MemberRole
 from dedloc.averaging.streamed_part import PartAbandoned, StreamedPart
-from dedloc.averaging.wire import Header, Kind, ProtocolError, check_payload, read_header, read_payload_into, \
-    write_error, write_frame
+from dedloc.averaging.wire import Header, Kind, read_error_text, read_header, write_error, write_frame
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +55,19 @@ class AggregatorRole:
             self._timers.append(loop.call_at(core.result_deadline, self.served.set))
         self._backup_connected = False
         self._backup_ok: asyncio.Future = loop.create_future()
+        self._refused: str | None = None
+        """Why the backup refused our result (a verified round's mismatch), if it did."""
 
     async def aggregate(self) -> None:
         """Add our own contribution, wait for the part to be produced (or abandoned: then fetch it
-        from the backup like every other member)."""
+        from the backup like every other member). In a verified round, also send our contribution's
+        copy to the backup, and take the part from the backup if it refuses our result."""
         c, part = self.c, self.part
         s, e = c.bounds[c.me]
+        b = c.group.backup(c.me)
+        copy = None
+        if c.group.verify and c.weight > 0 and b is not None:
+            copy = asyncio.create_task(self.member.contribute(c.me, to=b))
         try:
             if c.weight > 0:
                 part.add_local(c.me, c.weight, c.local[s:e])
@@ -69,16 +75,26 @@ class AggregatorRole:
             self.reduced_at = time.monotonic()
             for k, why in part.rejected.items():
                 c.stats.excluded[c.name(k)] = why
+            if copy is not None:
+                await copy  # bounded by the reduce deadline
         finally:
+            if copy is not None and not copy.done():
+                copy.cancel()
+                await asyncio.gather(copy, return_exceptions=True)
             if not self._backup_connected and not self._backup_ok.done():
                 self._backup_ok.set_result(True)  # backup never showed up: it cannot hold a stale copy
-        if part.failed is None:
+        failed = part.failed
+        if failed is None and c.group.verify and b is not None:
+            await asyncio.shield(self._backup_ok)
+            if self._refused is not None:  # everyone else takes the backup's copy: so must we
+                failed = f"our backup {c.name(b)} did not verify our result ({self._refused})"
+        if failed is None:
             c.stats.part_weights[c.me] = part.total_weight
             c.have[c.me].set_result(True)
             return
         c.have[c.me].set_result(False)
         self.served.set()  # members fetch this part from the backup now
-        await self.member.fail_over(c.me, part.failed)
+        await self.member.fail_over(c.me, failed)
 
     @property
     def abandoned(self) -> bool:
@@ -86,47 +102,8 @@ class AggregatorRole:
 
     async def serve_contribution(self, k: int, header: Header, reader: asyncio.StreamReader,
                                  writer: asyncio.StreamWriter) -> bool:
-        """Read member ``k``'s contribution into the streamed part as it arrives. Answers ERROR if it
-        is refused (before reading, or after: NaN/inf); a sender that leaves is taken out."""
-        c, part, member = self.c, self.part, self.c.group.members[k]
-        s, e = c.bounds[c.me]
-        buf, began = None, False
-        try:
-            if header.part != c.me:
-                raise ProtocolError(f"sent part {header.part}, expected part {c.me}")
-            if member.weight <= 0:
-                raise ProtocolError("a member with weight 0 has nothing to contribute")
-            c.check_weight(header, member)
-            buf = c.pool.take(e - s, c.wire_dtype)
-            check_payload(header, buf)
-            if not part.begin(k, member.weight, buf):
-                raise ProtocolError("too late, or a second contribution: this part does not expect one from you")
-            began = True
-            size = buf.element_size()
-            c.stats.add_received(
-                await read_payload_into(reader, writer, header, buf, lambda n: part.progress(k, n // size)),
-                f"c{c.me}<{k}")
-        except ProtocolError as e:
-            logger.warning(f"{c.prefix()}: rejected contribution of peer {member.peer_id} to part {c.me}: {e}")
-            if not began and part.contributors is None and k in part.pending:  # a bad first stream: left out
-                part.reject(k, str(e))
-                c.stats.excluded[member.peer_id] = str(e)
-            await write_error(writer, c.group.round_id, str(e))
-            return True
-        except (ConnectionError, asyncio.IncompleteReadError) as e:
-            logger.info(f"{c.prefix()}: peer {member.peer_id} left while sending part {c.me}")
-            part.reject(k, f"disconnected: {e}")
-            return False
-        finally:
-            if buf is not None:
-                await part.done.wait()  # the part reads the buffer until then
-                c.pool.give(buf)
-        if k in part.rejected:  # e.g. NaN/inf, found when the part checked it
-            logger.warning(f"{c.prefix()}: rejected contribution of peer {member.peer_id} to part {c.me}: "
-                           f"{part.rejected[k]}")
-            await write_error(writer, c.group.round_id, part.rejected[k])
-            return True
-        return False
+        """Read member ``k``'s contribution into the streamed part as it arrives (RoundCore.serve_streamed)."""
+        return await self.c.serve_streamed(self.part, self.c.me, k, header, reader, writer)
 
     async def serve_result(self, k: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Stream our part to member ``k`` as it is produced (see the module doc)."""
@@ -151,7 +128,12 @@ class AggregatorRole:
                 if is_backup:  # the backup writes last here (its ACK)
                     try:
                         await self._stream(reader, writer, k)
-                        acked = (await read_header(reader)).kind == Kind.ACK
+                        answer = await read_header(reader)
+                        acked = answer.kind == Kind.ACK
+                        if answer.kind == Kind.ERROR:
+                            self._refused = await read_error_text(reader, answer)
+                            logger.warning(f"{c.prefix()}: our backup {c.name(k)} refused our result for part "
+                                           f"{c.me}: {self._refused}")
                     except (ConnectionError, asyncio.IncompleteReadError):
                         acked = True  # the backup is gone: it cannot serve a stale failover
                     if not self._backup_ok.done():

@@ -7,6 +7,7 @@ owns its own, and PartitionedRound (allreduce.py) owns the roles.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from typing import Awaitable, Callable
@@ -15,11 +16,15 @@ import torch
 
 from dedloc.averaging.buffers import BufferPool
 from dedloc.averaging.group import Group, Member
-from dedloc.averaging.wire import Header, Kind, ProtocolError, read_error_text, read_header, read_payload_into, write_frame
+from dedloc.averaging.streamed_part import StreamedPart
+from dedloc.averaging.wire import Header, Kind, ProtocolError, check_payload, read_error_text, read_header, \
+    read_payload_into, write_error, write_frame
 from dedloc.errors import AveragingError
 from dedloc.net.bulk import Transfer, busy_seconds
 from dedloc.averaging.bounds import MAX_WEIGHTED, TOO_LARGE
 from dedloc.numerics import bounded
+
+logger = logging.getLogger(__name__)
 
 OpenStream = Callable[[str], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
@@ -27,6 +32,9 @@ OpenStream = Callable[[str], Awaitable[tuple[asyncio.StreamReader, asyncio.Strea
 class RoundStats:
     def __init__(self) -> None:
         self.failovers = 0
+        self.verified = 0
+        """Parts this member verified (a verified round): recomputed as their backup, or checked
+        against their backup's digest."""
         self.excluded: dict[str, str] = {}
         self.part_weights: dict[int, float] = {}
         self.sent: list[Transfer] = []
@@ -140,6 +148,52 @@ class RoundCore:
                 self.pool.give(data)
             raise ProtocolError("contains NaN or inf values" if limit == math.inf else TOO_LARGE)
         return data
+
+    async def serve_streamed(self, part: StreamedPart, j: int, k: int, header: Header, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> bool:
+        """Read member ``k``'s contribution to part ``j`` into ``part`` as it arrives (the aggregator's
+        CONTRIB, or a verifying backup's CHECK copy). Answers ERROR if it is refused (before reading,
+        or after: NaN/inf); a sender that leaves is taken out. True if this side wrote last."""
+        member = self.group.members[k]
+        s, e = self.bounds[j]
+        buf, began = None, False
+        what = "contribution" if header.kind == Kind.CONTRIB else "copy of the contribution"
+        try:
+            if header.part != j:
+                raise ProtocolError(f"sent part {header.part}, expected part {j}")
+            if member.weight <= 0:
+                raise ProtocolError("a member with weight 0 has nothing to contribute")
+            self.check_weight(header, member)
+            buf = self.pool.take(e - s, self.wire_dtype)
+            check_payload(header, buf)
+            if not part.begin(k, member.weight, buf):
+                raise ProtocolError("too late, or a second contribution: this part does not expect one from you")
+            began = True
+            size = buf.element_size()
+            label = f"{'c' if header.kind == Kind.CONTRIB else 'v'}{j}<{k}"
+            self.stats.add_received(
+                await read_payload_into(reader, writer, header, buf, lambda n: part.progress(k, n // size)), label)
+        except ProtocolError as e:
+            logger.warning(f"{self.prefix()}: rejected {what} of peer {member.peer_id} to part {j}: {e}")
+            if not began and part.contributors is None and k in part.pending:  # a bad first stream: left out
+                part.reject(k, str(e))
+                self.stats.excluded[member.peer_id] = str(e)
+            await write_error(writer, self.group.round_id, str(e))
+            return True
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            logger.info(f"{self.prefix()}: peer {member.peer_id} left while sending part {j}")
+            part.reject(k, f"disconnected: {e}")
+            return False
+        finally:
+            if buf is not None:
+                await part.done.wait()  # the part reads the buffer until then
+                self.pool.give(buf)
+        if k in part.rejected:  # e.g. NaN/inf, found when the part checked it
+            logger.warning(f"{self.prefix()}: rejected {what} of peer {member.peer_id} to part {j}: "
+                           f"{part.rejected[k]}")
+            await write_error(writer, self.group.round_id, part.rejected[k])
+            return True
+        return False
 
     async def read_result(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, part: int,
                           who: int) -> None:

@@ -1,9 +1,10 @@
 """A partitioned round's failover role: the backup of a failed aggregator's part.
 
 When members fail part ``j`` over to this member (its backup), it serves the result it already
-pulled from the aggregator if it has it; otherwise it re-reduces the part from the contributions
-the members re-send (FAILOVER frames), waiting for every sender but the failed aggregator until
-the failover deadline. Each part's failover runs as a task this role owns; ``close()`` cancels them.
+pulled from the aggregator if it has it (in a verified round: if it passed verification); in a
+verified round, otherwise its own recomputation of the part; otherwise it re-reduces the part
+from the contributions the members re-send (FAILOVER frames), waiting for every sender but the
+failed aggregator until the failover deadline. Each part's failover runs as a task this role owns; ``close()`` cancels them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 
 from dedloc.averaging.accumulator import PartAccumulator
 from dedloc.averaging.round_core import RoundCore
+from dedloc.averaging.round_verifier import VerifierRole
 from dedloc.averaging.wire import Header, ProtocolError, write_error
 
 logger = logging.getLogger(__name__)
@@ -28,8 +30,8 @@ class Failover:
 
 
 class FailoverRole:
-    def __init__(self, core: RoundCore):
-        self.c = core
+    def __init__(self, core: RoundCore, verifier: VerifierRole):
+        self.c, self.verifier = core, verifier
         self._parts: dict[int, Failover] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -50,8 +52,17 @@ class FailoverRole:
         try:
             async with asyncio.timeout_at(c.deadline):
                 if await c.have[j]:
-                    return  # we hold the failed aggregator's result: serve that copy
+                    return  # we hold the failed aggregator's (verified) result: serve that copy
                 s, e = c.bounds[j]
+                if self.verifier.checks(j):  # a verified round: we recomputed the part already
+                    await self.verifier.settled_recompute(j)
+                    recomputed = self.verifier.recomputed(j)
+                    if recomputed is not None:
+                        c.output[s:e] = recomputed.out
+                        c.stats.part_weights[j] = recomputed.total_weight
+                        logger.info(f"{c.prefix()}: serving our recomputation of part {j} in place of aggregator "
+                                    f"{c.name(j)}'s result")
+                        return
                 if c.weight > 0:
                     state.acc.add(c.me, c.weight, c.local[s:e])
                 await state.acc.wait(c.failover_deadline)
@@ -64,6 +75,7 @@ class FailoverRole:
         except Exception as e:
             state.error = f"{type(e).__name__}: {e}"
         finally:
+            self.verifier.settle(j, state.error)
             state.ready.set()
 
     async def serve(self, k: int, header: Header, reader: asyncio.StreamReader,

@@ -14,7 +14,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from dedloc.averaging.round_core import RoundCore
-from dedloc.averaging.wire import Kind, ProtocolError, write_frame
+from dedloc.averaging.round_verifier import Unverified, VerifierRole
+from dedloc.averaging.wire import Kind, ProtocolError, write_error, write_frame
 from dedloc.errors import AveragingError
 from dedloc.net.rpc import wait_peer_closed
 
@@ -28,8 +29,8 @@ ACK_GRACE = 10.0
 class MemberRole:
     """Every member's side of every part that another member aggregates."""
 
-    def __init__(self, core: RoundCore, failover: "FailoverRole"):
-        self.c, self.failover_role = core, failover
+    def __init__(self, core: RoundCore, failover: "FailoverRole", verifier: VerifierRole):
+        self.c, self.failover_role, self.verifier = core, failover, verifier
         fetch = core.group.members[core.me].fetch
         self.exchanges = [j for j in core.aggregators if j != core.me and (fetch or core.group.backup(j) == core.me)]
         """Parts this member takes part in as a member: all others' (only those it backs up, if it
@@ -37,9 +38,15 @@ class MemberRole:
 
     async def exchange(self, j: int) -> None:
         """Contribute to part ``j`` (if this member has weight) and pull its result, both at once;
-        fail the part over to its backup if the result does not come whole."""
-        c = self.c
-        contribution = asyncio.create_task(self.contribute(j)) if c.weight > 0 else None
+        fail the part over to its backup if the result does not come whole (or, in a verified round,
+        does not pass verification)."""
+        c, v = self.c, self.verifier
+        sends = []
+        if c.weight > 0:
+            sends.append(asyncio.create_task(self.contribute(j)))
+            b = c.group.backup(j)
+            if c.group.verify and b is not None and b != c.me:
+                sends.append(asyncio.create_task(self.contribute(j, to=b)))
         reason = ""
         try:
             async with asyncio.timeout_at(c.result_deadline):
@@ -47,12 +54,21 @@ class MemberRole:
                 try:
                     await write_frame(writer, Kind.PULL, c.group.round_id, j)
                     await c.read_result(reader, writer, j, j)
+                    if v.checks(j):
+                        why = await v.judge(j, c.stats.part_weights[j])
+                        if why is not None:
+                            await write_error(writer, c.group.round_id, f"your result for part {j} is not verified: "
+                                                                        f"{why}")
+                            await wait_peer_closed(reader, ACK_GRACE)  # it must read the refusal, not a reset
+                            raise Unverified(why)
+                    elif c.group.backup(j) != c.me:
+                        await v.confirm_copy(j)
                     c.have[j].set_result(True)
                     if c.group.backup(j) == c.me:
                         await self.confirm(writer, j)
                         await wait_peer_closed(reader, ACK_GRACE)  # we wrote last: let the ACK arrive
-                    if contribution is not None:  # its last credits may still be on the way
-                        await asyncio.wait({contribution})
+                    if sends:  # their last credits may still be on the way
+                        await asyncio.wait(sends)
                     return
                 finally:
                     writer.close()
@@ -61,29 +77,33 @@ class MemberRole:
         except Exception as e:
             reason = f"{type(e).__name__}: {e}"
         finally:
-            if contribution is not None and not contribution.done():
-                contribution.cancel()
-                await asyncio.gather(contribution, return_exceptions=True)
+            for send in sends:
+                if not send.done():
+                    send.cancel()
+            await asyncio.gather(*sends, return_exceptions=True)
         if c.have[j].done():  # got the result; only the ACK failed
             return
         c.have[j].set_result(False)
         await self.fail_over(j, reason)
 
-    async def contribute(self, j: int) -> None:
-        """Send this member's contribution to part ``j``; a refusal is logged (the result still comes)."""
+    async def contribute(self, j: int, to: int | None = None) -> None:
+        """Send this member's contribution to part ``j`` to its aggregator (or, as a CHECK copy in a
+        verified round, to member ``to``, the part's backup); a refusal is logged (the result still comes)."""
         c = self.c
+        target = j if to is None else to
+        kind, label = (Kind.CONTRIB, f"c{j}>{j}") if to is None else (Kind.CHECK, f"v{j}>{to}")
         try:
             async with asyncio.timeout_at(c.reduce_deadline):
-                reader, writer = await c.open_stream(c.name(j))
+                reader, writer = await c.open_stream(c.name(target))
                 try:
-                    c.stats.add_sent(await write_frame(writer, Kind.CONTRIB, c.group.round_id, j, c.weight,
-                                                       c.contribution(j), c.chunk_bytes, reader), f"c{j}>{j}")
+                    c.stats.add_sent(await write_frame(writer, kind, c.group.round_id, j, c.weight,
+                                                       c.contribution(j), c.chunk_bytes, reader), label)
                 finally:
                     writer.close()
         except ProtocolError as e:
-            logger.warning(f"{c.prefix()}: aggregator {c.name(j)} did not take our contribution to part {j}: {e}")
+            logger.warning(f"{c.prefix()}: {c.name(target)} did not take our {kind.name} for part {j}: {e}")
         except Exception as e:
-            logger.debug(f"{c.prefix()}: contribution to part {j} did not arrive: {e!r}")
+            logger.debug(f"{c.prefix()}: {kind.name} for part {j} did not arrive at {c.name(target)}: {e!r}")
 
     async def confirm(self, writer: asyncio.StreamWriter, j: int) -> None:
         """As part ``j``'s backup, tell its aggregator that we hold its result (it completes

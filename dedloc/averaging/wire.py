@@ -27,11 +27,12 @@ MAGIC = b"DDLC"
 MAX_TOTAL_WEIGHT = float(1 << 52)
 """No header's weight is above this: a member's weight is at most 2^40 (averaging/bounds.py), and a
 result's is a total over at most 4096 of them."""
-VERSION = 6  # 2: members carry a "fetch" flag, ready records the vector size; 3: payloads are credit-paced;
+VERSION = 7  # 2: members carry a "fetch" flag, ready records the vector size; 3: payloads are credit-paced;
 # 4: probes are credit-paced too; 5: a credit per 16 KiB (was 64 KiB); 6: results are pulled on a stream
-# of their own (PULL) and streamed while contributions still arrive
+# of their own (PULL) and streamed while contributions still arrive; 7: verified parts (CHECK, VERDICT, DIGEST)
 HEADER = struct.Struct("<4sHBB16sIdQ")
 MAX_ERROR_BYTES = 4096
+DIGEST_BYTES = 32
 
 
 class Kind(enum.IntEnum):
@@ -43,6 +44,9 @@ class Kind(enum.IntEnum):
     FETCH = 6  # member -> group representative: send me the final (hierarchical) result
     RING = 7  # ring all-reduce chunk; part = step index
     PULL = 8  # member -> aggregator: send me your part's RESULT on this stream
+    CHECK = 9  # sender -> backup aggregator (verified rounds): a copy of its CONTRIB, for the recomputation
+    VERDICT = 10  # member -> backup aggregator (verified rounds): is the part's result you hold verified?
+    DIGEST = 11  # backup -> member: blake2b-256 of the verified part's wire bytes (payload: the digest)
 
 
 DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}
@@ -60,7 +64,7 @@ class Header:
 
     @property
     def nbytes(self) -> int:
-        if self.kind == Kind.ERROR:
+        if self.kind in (Kind.ERROR, Kind.DIGEST):
             return self.numel
         if self.dtype is None:
             return 0
@@ -90,6 +94,8 @@ def unpack_header(raw: bytes) -> Header:
         raise ProtocolError(f"unknown dtype code {code}")
     if kind == Kind.ERROR and numel > MAX_ERROR_BYTES:
         raise ProtocolError(f"error message of {numel} bytes exceeds {MAX_ERROR_BYTES}")
+    if kind == Kind.DIGEST and (numel != DIGEST_BYTES or code):
+        raise ProtocolError(f"a digest must be {DIGEST_BYTES} bytes, got {numel}")
     if not (weight == weight) or weight < 0 or weight > MAX_TOTAL_WEIGHT:
         raise ProtocolError(f"invalid weight {weight}")
     return Header(kind, DTYPES.get(code), bytes(round_id), part, weight, numel)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any, Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
@@ -36,6 +35,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from dedloc.auth.authorizer import Authorizer, OpenRun
 from dedloc.errors import ProtocolError, Unauthorized
 from dedloc.logs import PerPeerWarnings
+from dedloc.net.limits import Budget, PeerLimits
 from dedloc.net.rpc import connections, read_message, relayed, reply_last, wait_peer_closed, write_message
 
 logger = logging.getLogger(__name__)
@@ -63,15 +63,6 @@ where its connection comes from. Returns True if it wrote last (see the close ru
 RequestHandler = Callable[[PeerID, Any], Awaitable[Any]]
 
 
-class _Budget:
-    """One remote peer's stream budget: open streams and a token bucket of new ones."""
-
-    __slots__ = ("open", "tokens", "at")
-
-    def __init__(self, now: float):
-        self.open, self.tokens, self.at = 0, BURST_PER_PEER, now
-
-
 class Streams:
     """This peer's stream transport over the libp2p daemon: opens streams to peers and serves
     protocols, with membership and per-peer limits checked on every inbound stream."""
@@ -79,7 +70,7 @@ class Streams:
     def __init__(self, p2p: P2P, authorizer: Authorizer | None = None):
         self.p2p = p2p
         self.authorizer = authorizer or OpenRun()
-        self._budgets: dict[str, _Budget] = {}
+        self.limits = PeerLimits(RATE_PER_PEER, BURST_PER_PEER, MAX_STREAMS_PER_PEER)
         self._unpunched: dict[PeerID, float] = {}
         self.warnings = PerPeerWarnings(logger)
 
@@ -164,15 +155,14 @@ class Streams:
 
         async def _on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = info.peer_id.to_base58()
-            budget: _Budget | None = None
+            budget: Budget | None = None
             wrote_last = False
             try:
                 refusal, member = await self._admit(peer, reader)
                 if refusal is None:
-                    budget = self._take(peer)
+                    budget = self.limits.acquire(peer)
                     if budget is None:
-                        refusal = (f"too many streams from this peer (at most {MAX_STREAMS_PER_PEER} at once, "
-                                   f"{RATE_PER_PEER:.0f}/s)")
+                        refusal = f"too many streams from this peer ({self.limits.describe()})"
                 if refusal is not None:
                     self.warnings.warn(f"{peer} {name}", f"refused a {name} stream from {peer}: {refusal}")
                     await reply_last(reader, writer, {"refused": refusal, "member": member}, HELLO_WAIT)
@@ -187,7 +177,7 @@ class Streams:
                 logger.exception(f"failed to serve a {name} stream from {peer}")
             finally:
                 if budget is not None:
-                    budget.open -= 1
+                    self.limits.release(budget)
                 if wrote_last:
                     await wait_peer_closed(reader, close_wait)
                 writer.close()
@@ -211,22 +201,6 @@ class Streams:
         except Unauthorized as e:
             return str(e), False
         return None, True
-
-    def _take(self, peer: str) -> _Budget | None:
-        now = time.monotonic()
-        budget = self._budgets.get(peer)
-        if budget is None:
-            if len(self._budgets) > 4096:  # forget idle peers (their buckets are full anyway)
-                for p in [p for p, b in self._budgets.items() if b.open == 0][:2048]:
-                    del self._budgets[p]
-            budget = self._budgets[peer] = _Budget(now)
-        budget.tokens = min(BURST_PER_PEER, budget.tokens + (now - budget.at) * RATE_PER_PEER)
-        budget.at = now
-        if budget.open >= MAX_STREAMS_PER_PEER or budget.tokens < 1:
-            return None
-        budget.tokens -= 1
-        budget.open += 1
-        return budget
 
     async def serve_requests(self, name: str, handler: RequestHandler, *, stream_info: bool = False,
                              read_wait: float = 10.0) -> None:
