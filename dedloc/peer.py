@@ -41,7 +41,9 @@ class Peer:
         """Others can connect to this peer directly (found by a dial-back probe, or declared)."""
         self.reachability: str = self.runtime.info["reachability"]
         """Why: who connected back to which address, or why nobody could."""
-        self._buffers: dict[int, SharedBuffer] = {}
+        self._buffers: dict[str, SharedBuffer] = {}
+        self._free: dict[int, list[str]] = {}
+        """Shared buffers not in use, by size: each averaging call leases its own until finish()."""
 
     @property
     def role(self) -> Role:
@@ -103,29 +105,43 @@ class Peer:
         return self.runtime.call_async("download_state", list(donors), min_step, timeout, max_bytes)
 
     # ---- averaging ------------------------------------------------------------------------------------
-    def _buffer(self, numel: int) -> torch.Tensor:
-        if numel not in self._buffers:
-            buf = SharedBuffer(numel)
-            self.runtime.call("register_buffer", f"b{numel}", buf.name, numel)
-            self._buffers[numel] = buf
-        return self._buffers[numel].tensor
+    def _lease(self, numel: int) -> str:
+        """A shared buffer of ``numel`` floats that no other averaging call is using (its name)."""
+        free = self._free.setdefault(numel, [])
+        if free:
+            return free.pop()
+        name = f"b{numel}.{len(self._buffers)}"
+        buf = SharedBuffer(numel)
+        self.runtime.call("register_buffer", name, buf.name, numel)
+        self._buffers[name] = buf
+        return name
 
     def average_async(self, tensor: torch.Tensor, *, step: int, weight: float, expected_peers: int | None = None,
                       timeout: float | None = None, gather_time: float | None = None,
                       bounds: WeightBounds | None = None):
-        """Start averaging; returns (future of stats, finish) where finish() copies the result back."""
+        """Start averaging; returns (future of stats, finish) where finish() copies the result back.
+        Concurrent calls never share a buffer: each holds its own until its finish() returns or raises."""
         if not tensor.is_floating_point():
             raise AveragingError(f"can only average floating-point tensors, got {tensor.dtype}")
-        buf = self._buffer(tensor.numel())
+        name = self._lease(tensor.numel())
+        buf = self._buffers[name].tensor
         buf.copy_(tensor.detach().reshape(-1))  # one copy, from any device and dtype, into shared memory
-        fut = self.runtime.call_async("average", f"b{tensor.numel()}", step, float(weight), expected_peers, timeout,
-                                      gather_time, bounds)
+        try:
+            fut = self.runtime.call_async("average", name, step, float(weight), expected_peers, timeout,
+                                          gather_time, bounds)
+        except BaseException:
+            self._free[tensor.numel()].append(name)
+            raise
 
         def finish() -> dict[str, Any]:
-            stats = fut.result()
-            with torch.no_grad():
-                tensor.copy_(buf.view_as(tensor))
-            return stats
+            try:
+                stats = fut.result()
+                with torch.no_grad():
+                    tensor.copy_(buf.view_as(tensor))
+                return stats
+            finally:
+                if name in self._buffers:  # not closed meanwhile
+                    self._free[tensor.numel()].append(name)
 
         return fut, finish
 
@@ -181,6 +197,7 @@ class Peer:
         for buf in self._buffers.values():
             buf.close()
         self._buffers.clear()
+        self._free.clear()
 
     def __enter__(self) -> "Peer":
         return self

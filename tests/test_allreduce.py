@@ -98,3 +98,16 @@ def test_progress_records_form_one_view(make_peers):
     assert view.global_step == 4 and view.samples == 60
     assert view.by_role() == {"trainer": 2, "client": 1}
     assert 0 < view.eta(100) < float("inf")
+
+
+def test_concurrent_rounds_on_equal_sizes_keep_their_own_tensors(make_peers):
+    """Two rounds in flight at once on one peer, with vectors of one size: each gets its own step's
+    mean (they once shared one shared-memory buffer, so the second input overwrote the first)."""
+    peers = make_peers(2)
+    xs = [[torch.full((1000,), 1.0), torch.full((1000,), 10.0)], [torch.full((1000,), 3.0), torch.full((1000,), 30.0)]]
+    calls = [p.average_async(xs[i][step], step=step, weight=1.0, expected_peers=2)
+             for step in (0, 1) for i, p in enumerate(peers)]
+    for _, finish in calls:
+        finish()
+    for i in range(2):
+        assert torch.equal(xs[i][0], torch.full((1000,), 2.0)) and torch.equal(xs[i][1], torch.full((1000,), 20.0))
