@@ -14,6 +14,7 @@ from dedloc.errors import ConfigError
 COMPRESSIONS = ("none", "float16")
 STRATEGIES = ("partitioned", "ring")
 PLANNERS = ("lp", "equal", "bandwidth", "declared")
+TRANSPORTS = ("auto", "libp2p")
 REACHABILITY = ("auto", "public", "private")
 PUBLIC_PORT = 31337
 PUBLIC_HOST_MADDRS = (f"/ip4/0.0.0.0/tcp/{PUBLIC_PORT}", f"/ip4/0.0.0.0/udp/{PUBLIC_PORT}/quic-v1")
@@ -124,6 +125,15 @@ class AveragingConfig:
     """'none' or 'float16' on the wire."""
     chunk_bytes: int = 4 << 20
     """Bytes per socket write/read when streaming a part."""
+    transport: str = "auto"
+    """How round streams travel: 'auto' (direct TCP connections between members that can reach
+    each other, libp2p streams for the other pairs and whenever a direct connection fails) or
+    'libp2p' (every stream through the p2p daemon). Set by a round's leader for its group."""
+    encryption: bool = True
+    """TLS 1.3 on direct connections. False only on a trusted network: this peer then listens in
+    plaintext, and rounds it leads accept plaintext endpoints (docs/wire.md)."""
+    data_port: int = 0
+    """TCP port for direct connections (0: any free port)."""
     verify: bool = False
     """Verified rounds (set by a round's leader for its group): every part's backup aggregator
     recomputes the part from copies of the same contributions and confirms it only if the
@@ -161,6 +171,8 @@ class AveragingConfig:
         _check(self.strategy in STRATEGIES, "strategy", f"must be one of {STRATEGIES}")
         _check(self.compression in COMPRESSIONS, "compression", f"must be one of {COMPRESSIONS}")
         _check(self.chunk_bytes >= 4096, "chunk_bytes", "must be >= 4096")
+        _check(self.transport in TRANSPORTS, "transport", f"must be one of {TRANSPORTS}")
+        _check(0 <= self.data_port < 65536, "data_port", "must be a TCP port (0: any)")
         _check(self.share is None or self.share >= 0, "share", "must be >= 0")
         _check(self.planner in PLANNERS, "planner", f"must be one of {PLANNERS}")
         for name in ("upload_mbps", "download_mbps"):

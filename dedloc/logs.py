@@ -30,13 +30,14 @@ class PerPeerWarnings:
         self.logger, self.interval, self.capacity = logger, interval, capacity
         self._last: dict[str, float] = {}
 
-    def warn(self, peer: str, message: str) -> None:
+    def warn(self, peer: str, message: str, level: int = logging.WARNING) -> None:
+        """Log ``message`` at ``level`` if this peer had none within the interval, else at DEBUG."""
         now = time.monotonic()
         if now - self._last.get(peer, -self.interval) >= self.interval:
             self._last.pop(peer, None)
             self._last[peer] = now
             while len(self._last) > self.capacity:
                 self._last.pop(next(iter(self._last)))
-            self.logger.warning(message + f" (more from this peer within {self.interval:.0f} s: at DEBUG)")
+            self.logger.log(level, message + f" (more from this peer within {self.interval:.0f} s: at DEBUG)")
         else:
             self.logger.debug(message)

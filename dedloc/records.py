@@ -210,6 +210,7 @@ class CapabilityRecord:
 
 MAX_MEMBERS = 4096
 MAX_NUMEL = 1 << 34
+MAX_ENDPOINT = 200
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,9 @@ class Member:
     """Behind NAT (found by dial-back): never leads, represents a subgroup or sits where a ring
     neighbour must dial it; aggregates only where the leader's planner saw it publish a direct
     (punched) path to every other member."""
+    data: str = ""
+    """Where it accepts direct TCP connections for round streams, ``host:port/<certificate
+    fingerprint>`` (net/tcp.py; empty: libp2p streams only)."""
 
     @property
     def reachable(self) -> bool:
@@ -245,7 +249,8 @@ class ReadyRecord:
 
     def to_wire(self) -> dict[str, Any]:
         m = self.member
-        return {"w": m.weight, "s": m.share, "c": m.client, "f": m.fetch, "p": m.private, "n": self.numel}
+        return {"w": m.weight, "s": m.share, "c": m.client, "f": m.fetch, "p": m.private, "n": self.numel,
+                **({"d": m.data} if m.data else {})}
 
     @classmethod
     def from_wire(cls, peer_id: str, obj: Any) -> "ReadyRecord | None":
@@ -260,7 +265,11 @@ class ReadyRecord:
             logger.debug(f"ignoring out-of-range ready record of {peer_id}")  # an aggregator-only peer
             return None  # contributes nothing and must be reachable
         n = obj.get("n", 0)
-        return cls(Member(peer_id, w, 0.0 if c else s, c, f, p), n if isinstance(n, int) and 0 < n <= MAX_NUMEL else 0)
+        d = obj.get("d", "")
+        if not isinstance(d, str) or len(d) > MAX_ENDPOINT:
+            d = ""  # a malformed endpoint: this member is reached over libp2p only
+        return cls(Member(peer_id, w, 0.0 if c else s, c, f, p, d),
+                   n if isinstance(n, int) and 0 < n <= MAX_NUMEL else 0)
 
 
 @dataclass(frozen=True)

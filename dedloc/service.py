@@ -175,7 +175,7 @@ class PeerService:
         Without ``drain`` (the training process died), stop at once: its peer id is free for a restart."""
         if drain:
             await self.averager.drain(DRAIN_TIMEOUT)
-        self.averager.close()
+        await self.averager.close()
         await self.planner.close()
         for buf in self.buffers.values():
             buf.close()

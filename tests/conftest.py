@@ -52,9 +52,12 @@ def make_peers():
     """make_peers(n, clients=(indices), averaging=AveragingConfig) -> started peers, closed at teardown."""
     created: list[Peer] = []
 
-    def make(n: int, clients=(), averaging: AveragingConfig | None = None, **peer_kwargs) -> list[Peer]:
+    def make(n: int, clients=(), averaging: AveragingConfig | list[AveragingConfig] | None = None,
+             per_peer: list[dict] | None = None, **peer_kwargs) -> list[Peer]:
+        """``averaging``: one config or one per peer; ``per_peer``: PeerConfig fields for each peer."""
         rid = run_id()
-        configs = [PeerConfig(run_id=rid, client_mode=i in clients, **peer_kwargs) for i in range(n)]
+        configs = [PeerConfig(run_id=rid, client_mode=i in clients, **peer_kwargs, **(per_peer[i] if per_peer else {}))
+                   for i in range(n)]
         peers = start_peers(configs, averaging or AveragingConfig(matchmaking_time=3, averaging_timeout=20))
         created.extend(peers)
         return peers

@@ -27,11 +27,13 @@ from dedloc.averaging.buffers import BufferPool
 from dedloc.averaging.group import Group, sub_round_id
 from dedloc.averaging.matchmaking import Matchmaker, SharePolicy
 from dedloc.averaging.ring import RingRound
+from dedloc.averaging.round_core import OpenStream
 from dedloc.averaging.wire import Header, Kind, read_header, read_payload_into, write_error, write_frame
 from dedloc.config import AveragingConfig
 from dedloc.errors import AveragingError, ProtocolError
 from dedloc.net.node import Node
 from dedloc.net.rpc import wait_peer_closed
+from dedloc.net.tcp import DirectTCP, Endpoint
 from dedloc.numerics import all_finite
 
 logger = logging.getLogger(__name__)
@@ -97,16 +99,73 @@ class Averager:
         self._idle.set()
         self._reporters: set[asyncio.Task] = set()
         """Passive measurements waiting for their round to finish sending (bounded by its deadline)."""
+        self.tcp: DirectTCP | None = None
+        """Direct connections for round streams (None: libp2p streams only; net/tcp.py)."""
+        self._keys: dict[bytes, tuple[bytes, frozenset[str]]] = {}
+        """Per round served: its direct-connection secret and its members."""
 
     async def start(self) -> None:
         await self.matchmaker.start()
         if not self.node.config.client_mode:
             await self.node.streams.serve(self.proto, self._on_stream)
+        if self.config.transport == "libp2p":
+            return
+        self.tcp = DirectTCP(self.me, self.config.encryption)
+        where = await self._data_address() if self.node.reachable else None
+        if where is not None:
+            endpoint = await self.tcp.listen(*where, self.config.data_port, self._round_key, self._on_stream)
+            self.matchmaker.data = endpoint.to_wire()
+
+    async def _data_address(self) -> tuple[str, str] | None:
+        """(address to bind, address to announce) for direct connections: the host the daemon listens
+        on, announced as the address it announces (a non-loopback one if it has one)."""
+        def ip4(maddr: str) -> str | None:
+            parts = maddr.split("/")
+            return parts[2] if len(parts) > 2 and parts[1] == "ip4" and "p2p-circuit" not in parts else None
+
+        bind = next((h for h in map(ip4, self.node.config.listen_maddrs()) if h), None)
+        seen = [h for h in map(ip4, await self.node.visible_maddrs()) if h and h != "0.0.0.0"]
+        if bind is None or not seen:
+            logger.info("no IPv4 address to announce for direct connections; round streams use libp2p")
+            return None
+        outside = [h for h in seen if not h.startswith("127.")]
+        return bind, (outside or seen)[0]
+
+    async def _round_key(self, round_id: bytes) -> tuple[bytes, frozenset[str]] | None:
+        """The secret and members of a round this peer serves (waiting briefly for it to start)."""
+        if round_id not in self._keys:
+            await self._lookup(round_id, 2 * self.config.matchmaking_time)
+        return self._keys.get(round_id)
+
+    def _opener(self, group: Group, stats: dict[str, Any]) -> OpenStream:
+        """How this round reaches a member: a direct connection where the group and the member allow
+        it (net/tcp.py), else, or if it fails, a libp2p stream. Counts both in ``stats["streams"]``."""
+        counts = stats.setdefault("streams", {"direct": 0, "libp2p": 0})
+
+        async def open_stream(peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            i = group.index(peer_id)
+            data = group.members[i].data if i is not None else ""
+            if self.tcp is not None and group.key and data and self.tcp.usable(peer_id):
+                try:
+                    stream = await self.tcp.open(peer_id, Endpoint.parse(data), group.round_id, group.key,
+                                                 group.encryption)
+                    counts["direct"] += 1
+                    return stream
+                except (ConnectionError, ProtocolError) as e:
+                    logger.debug(f"step {group.step}: {e}; a libp2p stream instead")
+            stream = await self._open(peer_id)
+            counts["libp2p"] += 1
+            return stream
+
+        return open_stream
 
     # ---- round registry -------------------------------------------------------------------------
-    def _register(self, round_id: bytes, rnd: _Round, lifetime: float) -> None:
+    def _register(self, round_id: bytes, rnd: _Round, lifetime: float, group: Group) -> None:
         """Serve ``rnd``'s streams for ``lifetime`` seconds (its deadlines and a grace for late
-        streams), then close it: the averager owns every round, and no timer or task outlives it."""
+        streams), then close it: the averager owns every round, and no timer or task outlives it.
+        ``group``: the round's (or its parent's) members and direct-connection secret."""
+        if group.key:
+            self._keys[round_id] = (group.key, frozenset(m.peer_id for m in group.members))
         self._rounds[round_id] = rnd
         self._arrivals.pop(round_id, asyncio.Event()).set()
         self._expiries[round_id] = asyncio.get_running_loop().call_later(lifetime, self._expire, round_id)
@@ -116,16 +175,19 @@ class Averager:
         handle = self._expiries.pop(round_id, None)
         if handle is not None:
             handle.cancel()  # a no-op when the timer itself fired
+        self._keys.pop(round_id, None)
         rnd = self._rounds.pop(round_id, None)
         if rnd is not None:
             rnd.close()
 
-    def close(self) -> None:
-        """Close every round still registered (at shutdown, after drain)."""
+    async def close(self) -> None:
+        """Close every round still registered (at shutdown, after drain) and the direct connections."""
         for round_id in list(self._rounds):
             self._expire(round_id)
         for task in self._reporters:
             task.cancel()
+        if self.tcp is not None:
+            await self.tcp.close()
 
     async def _lookup(self, round_id: bytes, wait: float) -> _Round | None:
         if round_id not in self._rounds:
@@ -249,8 +311,8 @@ class Averager:
         if len(group.members) == 1:
             return tensor.clone(), weight
         if group.strategy == "ring":
-            rnd = RingRound(group, me, tensor, weight, self._open, timeout, self.config.chunk_bytes)
-            self._register(group.round_id, rnd, timeout + ROUND_GRACE)
+            rnd = RingRound(group, me, tensor, weight, self._opener(group, stats), timeout, self.config.chunk_bytes)
+            self._register(group.round_id, rnd, timeout + ROUND_GRACE, group)
             try:
                 return await rnd.run(), group.total_weight
             finally:
@@ -261,9 +323,9 @@ class Averager:
 
     async def _partitioned(self, group: Group, me: int, local: torch.Tensor, weight: float, timeout: float,
                            stats: dict[str, Any]) -> tuple[torch.Tensor, float]:
-        rnd = PartitionedRound(group, me, local, weight, self._open, timeout, group.compression,
+        rnd = PartitionedRound(group, me, local, weight, self._opener(group, stats), timeout, group.compression,
                                self.config.chunk_bytes, self.pool)
-        self._register(group.round_id, rnd, timeout + ROUND_GRACE)
+        self._register(group.round_id, rnd, timeout + ROUND_GRACE, group)
         try:
             output = await rnd.run()
         finally:
@@ -309,13 +371,13 @@ class Averager:
         if me == rep:
             broadcast = _Broadcast({group.members[i].peer_id for i in group.subgroups[k]} - {self.me},
                                    self.config.chunk_bytes)
-            self._register(final_id, broadcast, timeout + ROUND_GRACE)
+            self._register(final_id, broadcast, timeout + ROUND_GRACE, group)
         try:
             sub_out, total = await self._partitioned(sub, sub.index(self.me), local, weight, timeout / 3, stats)
             if not group.members[me].fetch:  # aggregator-only: its work ends with its subgroup
                 return sub_out, total
             if me != rep:
-                return await self._fetch(group, rep, final_id, local.numel(), timeout / 3)
+                return await self._fetch(group, rep, final_id, local.numel(), timeout / 3, stats)
             declared = {group.representative(j): sum(group.members[i].weight for i in group.subgroups[j])
                         for j in range(len(group.subgroups))}
             top = group.top_group(declared)
@@ -328,12 +390,12 @@ class Averager:
                 broadcast.result.exception()  # mark retrieved
             raise
 
-    async def _fetch(self, group: Group, rep: int, final_id: bytes, numel: int, timeout: float
-                     ) -> tuple[torch.Tensor, float]:
+    async def _fetch(self, group: Group, rep: int, final_id: bytes, numel: int, timeout: float,
+                     stats: dict[str, Any]) -> tuple[torch.Tensor, float]:
         peer = group.members[rep].peer_id
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await self._open(peer)
+                reader, writer = await self._opener(group, stats)(peer)
                 try:
                     await write_frame(writer, Kind.FETCH, final_id)
                     header = await read_header(reader)

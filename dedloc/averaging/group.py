@@ -16,7 +16,8 @@ from typing import Any
 
 from dedloc.config import COMPRESSIONS, STRATEGIES
 from dedloc.errors import ProtocolError
-from dedloc.records import Member
+from dedloc.net.tcp import KEY_BYTES
+from dedloc.records import MAX_ENDPOINT, Member
 
 MAX_TIMEOUT = 3600.0
 """The longest round deadline a leader may set for its members."""
@@ -39,6 +40,11 @@ class Group:
     timeout: float | None = None
     """The round's deadline in seconds, the leader's ``averaging_timeout``: every member runs the
     round by it, so none gives up on a round that another still serves (None: each member's own)."""
+    key: bytes = b""
+    """The round's secret for direct TCP connections (net/tcp.py), drawn by the leader and sent only
+    over the authenticated join streams, never published (empty: libp2p streams only)."""
+    encryption: bool = True
+    """Direct connections in this round must be TLS (the leader's ``AveragingConfig.encryption``)."""
     verify: bool = False
     """A verified round (the leader's ``AveragingConfig.verify``): each part's backup recomputes and
     confirms it, and every member checks its copy against the backup's digest (docs/averaging.md)."""
@@ -49,6 +55,8 @@ class Group:
             raise ProtocolError("group members must be unique and sorted by peer id")
         if len(self.round_id) != 16:
             raise ProtocolError("round id must be 16 bytes")
+        if len(self.key) not in (0, KEY_BYTES):
+            raise ProtocolError(f"a round's key must be {KEY_BYTES} bytes")
 
     # ---- roles -------------------------------------------------------------------------------
     def index(self, peer_id: str) -> int | None:
@@ -117,19 +125,20 @@ class Group:
         return {
             "round_id": self.round_id,
             "step": self.step,
-            "members": [[m.peer_id, m.weight, m.share, m.client, m.fetch, m.private] for m in self.members],
+            "members": [[m.peer_id, m.weight, m.share, m.client, m.fetch, m.private, m.data] for m in self.members],
             "subgroups": [list(s) for s in self.subgroups],
             "strategy": self.strategy,
             "compression": self.compression,
             **({"timeout": self.timeout} if self.timeout is not None else {}),
             **({"verify": True} if self.verify else {}),
+            **({"key": self.key, "encryption": self.encryption} if self.key else {}),
         }
 
     @classmethod
     def from_wire(cls, obj: Any) -> "Group":
         try:
-            members = tuple(Member(str(p), float(w), float(s), bool(c), bool(f), bool(x))
-                            for p, w, s, c, f, x in obj["members"])
+            members = tuple(Member(str(p), float(w), float(s), bool(c), bool(f), bool(x), _endpoint(rest))
+                            for p, w, s, c, f, x, *rest in obj["members"])
             subgroups = tuple(tuple(int(i) for i in s) for s in obj["subgroups"])
             strategy, compression = str(obj["strategy"]), str(obj["compression"])
             if strategy not in STRATEGIES or compression not in COMPRESSIONS:
@@ -140,8 +149,11 @@ class Group:
             verify = obj.get("verify", False)
             if not isinstance(verify, bool):
                 raise ValueError(f"verify must be a boolean, got {verify!r}")
+            key, encryption = obj.get("key", b""), obj.get("encryption", True)
+            if not isinstance(key, bytes) or not isinstance(encryption, bool):
+                raise ValueError("malformed key or encryption flag")
             group = cls(bytes(obj["round_id"]), int(obj["step"]), members, subgroups, strategy, compression, timeout,
-                        verify)
+                        key, encryption, verify)
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"malformed group description: {e}") from None
         if any(not (m.weight >= 0 and math.isfinite(m.weight)) or not (m.share >= 0 and math.isfinite(m.share))
@@ -154,6 +166,15 @@ class Group:
             if not all(any(_can_represent(members[i]) for i in s) for s in subgroups):
                 raise ProtocolError("every subgroup needs a reachable member that takes the result")
         return group
+
+
+def _endpoint(rest: list) -> str:
+    """A member's data endpoint from its wire entry's optional seventh field."""
+    if not rest:
+        return ""
+    if len(rest) != 1 or not isinstance(rest[0], str) or len(rest[0]) > MAX_ENDPOINT:
+        raise ValueError("malformed data endpoint")
+    return rest[0]
 
 
 def _can_represent(m: Member) -> bool:

@@ -44,6 +44,7 @@ from dedloc.errors import MatchmakingError, MissedRoundError, ProtocolError
 from dedloc.logs import PerPeerWarnings
 from dedloc.net import rpc
 from dedloc.net.node import Node
+from dedloc.net.tcp import KEY_BYTES
 from dedloc.records import ClosedRecord, ReadyRecord
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ class Matchmaker:
         """Tells this process from an earlier one under the same peer id (a restart)."""
         self.client = node.config.client_mode
         self.private = not node.reachable and not self.client
+        self.data = ""
+        """This peer's direct data endpoint, announced in its ready record and joins (set by the averager)."""
         """Found behind NAT: never leads; aggregates only where a planner saw it reach every member directly."""
         self.proto = f"dedloc.{node.config.run_id}.join"
         self._lead: dict[int, _Lead] = {}
@@ -218,7 +221,8 @@ class Matchmaker:
         t = self.config.matchmaking_time
         gather = t if gather_time is None else max(0.0, gather_time)
         gather_deadline = loop.time() + gather
-        me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client, self.fetch, self.private)
+        me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client, self.fetch, self.private,
+                    self.data)
         started, ready_ttl = loop.time(), 3 * t + gather + self.config.averaging_timeout
         _, closed_by = await asyncio.gather(
             self.node.store(self.node.key("ready", step), self.me, ReadyRecord(me, int(numel)).to_wire(), ttl=ready_ttl),
@@ -289,8 +293,9 @@ class Matchmaker:
             members = await self._planned(members, subgroups, numel)
         else:  # no planner checked a NAT'd member's paths: it aggregates nothing
             members = tuple(replace(m, share=0.0) if m.private else m for m in members)
+        direct = self.config.transport != "libp2p"
         group = Group(os.urandom(16), step, members, subgroups, self.config.strategy, self.config.compression,
-                      timeout, self.config.verify)
+                      timeout, os.urandom(KEY_BYTES) if direct else b"", self.config.encryption, self.config.verify)
         state.group = group
         state.held = _holds_state(members)
         state.done.set()  # answer the joiners first: the record below can wait on a slow DHT

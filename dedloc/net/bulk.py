@@ -1,4 +1,4 @@
-"""Bulk payloads over p2p streams: paced writes and zero-copy reads.
+"""Bulk payloads over streams (libp2p's, or direct TCP): paced writes and zero-copy reads.
 
 **Pacing.** The receiver of a payload writes one credit byte back on the same stream for every
 ``UNIT`` bytes it has consumed (and one for a final partial unit). The sender keeps at most a
@@ -17,7 +17,9 @@ averaged part, reduced as its contributions arrive): the sender then writes only
 
 **Zero-copy reads.** A payload of at least ``ZEROCOPY_MIN`` bytes is read straight from the
 stream's socket into the destination buffer (what the stream reader already buffered is copied
-first), instead of through asyncio's reader, which copies every byte three times.
+first), instead of through asyncio's reader, which copies every byte three times: the daemon's
+Unix socket, or a plaintext direct TCP connection (over TLS the socket holds ciphertext, and the
+reader's decrypted bytes are copied once).
 
 Failure behaviour: a peer that closes mid-payload raises ``asyncio.IncompleteReadError``; one that
 answers something other than credits while we send raises :class:`ProtocolError`; transport
@@ -233,7 +235,9 @@ def _socket_of(reader: asyncio.StreamReader):
     if transport is None or not isinstance(buffer, bytearray) or not hasattr(transport, "pause_reading"):
         return None, None
     sock = transport.get_extra_info("socket")
-    if sock is None or sock.family != socket.AF_UNIX:
+    if sock is None or sock.family not in (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6):
+        return None, None
+    if transport.get_extra_info("ssl_object") is not None:  # TLS: the socket's bytes are ciphertext
         return None, None
     return transport, sock
 

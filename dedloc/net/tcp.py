@@ -1,0 +1,305 @@
+"""Direct TCP connections for a round's tensor streams: the data plane between peers that can
+reach each other. libp2p stays the control plane (discovery, DHT, NAT traversal, identity,
+membership); only round streams take this path, and only between members of one round.
+
+**Who may connect.** A round's leader draws a 32-byte secret for the round and hands it to every
+member over the authenticated, encrypted libp2p join stream (``Group.key``). A connection's first
+message, before any payload, is a hello ``{v, r: round id, f: from, t: to, n: 16 random bytes,
+m: HMAC-SHA256(key, "dedloc tcp hello" | r | f | t | n)}``; the server checks that the round is
+one it serves, that ``f`` is a member and ``t`` is itself, and the MAC, then answers
+``{ok: HMAC(key, "dedloc tcp ok" | n)}`` (the client checks it) or ``{refused: reason}``
+(logged with the claimed peer id). Only a member of the round can open a stream; a member could
+claim another member's id (it knows the key), which gains it nothing it could not send as itself.
+
+**Encryption.** By default every connection is TLS 1.3. Each peer makes a throwaway self-signed
+certificate when it starts, and publishes its SHA-256 fingerprint with its data endpoint in its
+join request, so the group pins it: the client compares the server's certificate with the
+fingerprint the leader's group names, before it sends the hello. ``AveragingConfig.encryption =
+False`` (a trusted network only) makes a peer listen in plaintext; a member whose group asks for
+encryption never sends to a plaintext endpoint (it falls back to libp2p for that pair).
+
+**Fallback.** ``open`` raises ConnectionError on any failure (connect, TLS, fingerprint, refusal);
+the caller (averaging/averager.py) then uses a libp2p stream for that pair, and skips the direct
+path to that peer for ``RETRY_AFTER_S``.
+
+The server owns one task per connection; ``close()`` stops listening, cancels them and waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import ssl
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from hivemind.p2p import PeerID
+
+from dedloc.errors import ProtocolError
+from dedloc.logs import PerPeerWarnings
+from dedloc.net.limits import PeerLimits
+from dedloc.net.rpc import read_message, wait_peer_closed, write_message
+
+logger = logging.getLogger(__name__)
+VERSION = 1
+KEY_BYTES = 32
+MAX_HELLO = 1024
+CONNECT_WAIT = 3.0
+"""Longest a connection (TCP and TLS handshake) may take before the pair falls back to libp2p."""
+HELLO_WAIT = 5.0
+RETRY_AFTER_S = 60.0
+READ_LIMIT = 1 << 20
+"""asyncio's reader buffer before it pauses the socket (its 64 KiB default cost TLS reads a pause per 128 KiB)."""
+MAX_CONNECTIONS_PER_PEER = 64
+RATE_PER_PEER = 100.0
+BURST_PER_PEER = 400.0
+_HELLO, _OK = b"dedloc tcp hello\x00", b"dedloc tcp ok\x00"
+
+RoundKeys = Callable[[bytes], Awaitable["tuple[bytes, frozenset[str]] | None"]]
+"""``keys(round_id)``: the round's secret and its members' peer ids, once this peer serves the round
+(waiting briefly for it to start), or None if it does not."""
+Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a peer accepts direct connections: ``host:port/<sha256 of its certificate>`` (or
+    ``/plain`` for a plaintext endpoint)."""
+
+    host: str
+    port: int
+    fingerprint: str | None
+
+    def to_wire(self) -> str:
+        return f"{self.host}:{self.port}/{self.fingerprint or 'plain'}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Endpoint":
+        """The endpoint ``text`` names; ProtocolError if it is malformed."""
+        try:
+            where, fp = text.rsplit("/", 1)
+            host, port = where.rsplit(":", 1)
+            port_n = int(port)
+        except (ValueError, AttributeError):
+            raise ProtocolError(f"malformed data endpoint {text!r}") from None
+        if not (0 < port_n < 65536) or not host or len(text) > 200:
+            raise ProtocolError(f"malformed data endpoint {text!r}")
+        if fp != "plain" and (len(fp) != 64 or any(c not in "0123456789abcdef" for c in fp)):
+            raise ProtocolError(f"malformed certificate fingerprint in data endpoint {text!r}")
+        return cls(host.strip("[]"), port_n, None if fp == "plain" else fp)
+
+
+class _Certificate:
+    """A throwaway self-signed certificate (ECDSA P-256) and the TLS 1.3 contexts that use it."""
+
+    def __init__(self) -> None:
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dedloc data plane")])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(days=1))
+                .not_valid_after(now + datetime.timedelta(days=3650))
+                .sign(key, hashes.SHA256()))
+        self.fingerprint = hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
+        self.server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.server.minimum_version = ssl.TLSVersion.TLSv1_3
+        with tempfile.TemporaryDirectory(prefix="dedloc-tls-") as scratch:  # ssl loads keys from files only
+            cert_path, key_path = os.path.join(scratch, "cert.pem"), os.path.join(scratch, "key.pem")
+            with open(os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+            with open(cert_path, "wb") as f:
+                f.write(cert.public_bytes(serialization.Encoding.PEM))
+            self.server.load_cert_chain(cert_path, key_path)
+        self.client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        self.client.minimum_version = ssl.TLSVersion.TLSv1_3
+        self.client.check_hostname = False
+        self.client.verify_mode = ssl.CERT_NONE  # pinned below, by fingerprint, against the group's
+
+
+def _mac(key: bytes, *parts: bytes | str) -> bytes:
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for p in parts:
+        b = p.encode() if isinstance(p, str) else p
+        h.update(len(b).to_bytes(4, "big") + b)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class _Info:
+    """What a stream handler learns about the remote peer (as from a libp2p stream)."""
+
+    peer_id: PeerID
+    addr: Any
+
+
+class DirectTCP:
+    """This peer's direct connections: a listener (if it is reachable) and the client side."""
+
+    def __init__(self, me: str, encryption: bool = True):
+        self.me, self.encryption = me, encryption
+        self._cert = _Certificate()
+        self.endpoint: Endpoint | None = None
+        """Where others connect (None: this peer does not listen, e.g. in client mode)."""
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._failed: dict[str, float] = {}
+        self._limits = PeerLimits(RATE_PER_PEER, BURST_PER_PEER, MAX_CONNECTIONS_PER_PEER)
+        self._warnings = PerPeerWarnings(logger)
+
+    # ---- serving ------------------------------------------------------------------------------------
+    async def listen(self, bind: str, announce: str, port: int, keys: RoundKeys, handler: Handler) -> Endpoint:
+        """Accept direct connections on ``bind:port`` (0: any free port), announced as ``announce``.
+        Each admitted connection is handed to ``handler(info, reader, writer)``, which reads the
+        round's first frame; the connection is closed when it returns."""
+        ctx = self._cert.server if self.encryption else None
+
+        async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            self._tasks.add(task)
+            try:
+                await self._serve(reader, writer, keys, handler)
+            finally:
+                self._tasks.discard(task)
+
+        self._server = await asyncio.start_server(on_connection, bind, port, ssl=ctx, limit=READ_LIMIT,
+                                                  ssl_handshake_timeout=CONNECT_WAIT if ctx else None)
+        bound = self._server.sockets[0].getsockname()[1]
+        self.endpoint = Endpoint(announce, bound, self._cert.fingerprint if self.encryption else None)
+        logger.info(f"direct data connections on {bind}:{bound} ({'TLS 1.3' if self.encryption else 'plaintext'}), "
+                    f"announced as {self.endpoint.host}:{bound}")
+        return self.endpoint
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, keys: RoundKeys,
+                     handler: Handler) -> None:
+        addr = writer.get_extra_info("peername")
+        claimed, budget = "an unnamed peer", None
+        try:
+            _tune(writer)
+            hello = await asyncio.wait_for(read_message(reader, MAX_HELLO), HELLO_WAIT)
+            if not isinstance(hello, dict) or hello.get("v") != VERSION:
+                raise ProtocolError(f"not a dedloc direct-connection hello (version {VERSION})")
+            r, f, t, n, m = (hello.get(k) for k in ("r", "f", "t", "n", "m"))
+            if not (isinstance(r, bytes) and isinstance(f, str) and isinstance(t, str) and isinstance(n, bytes)
+                    and isinstance(m, bytes) and len(r) == 16 and len(n) == 16 and len(f) <= 128):
+                raise ProtocolError("malformed hello")
+            claimed = f
+            if t != self.me:
+                raise ProtocolError(f"the hello is addressed to {t}, not to this peer")
+            found = await keys(r)
+            if found is None:
+                raise ProtocolError("unknown round (missed or expired)")
+            key, members = found
+            if f not in members:
+                raise ProtocolError(f"{f} is not a member of this round")
+            if not hmac.compare_digest(m, _mac(key, _HELLO, r, f, t, n)):
+                raise ProtocolError("the hello's MAC does not check with the round's key")
+            budget = self._limits.acquire(f)
+            if budget is None:
+                raise ProtocolError(f"too many direct connections from this peer ({self._limits.describe()})")
+            await write_message(writer, {"ok": _mac(key, _OK, n)})
+            await handler(_Info(PeerID.from_base58(f), addr), reader, writer)
+        except ProtocolError as e:
+            self._warnings.warn(f"{claimed} tcp", f"refused a direct connection from {claimed} at {addr}: {e}")
+            try:
+                await write_message(writer, {"refused": str(e)})
+                await wait_peer_closed(reader, HELLO_WAIT)
+            except Exception:
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, ssl.SSLError) as e:
+            logger.debug(f"direct connection from {claimed} at {addr} ended early: {e!r}")
+        except Exception:
+            logger.exception(f"failed to serve a direct connection from {claimed} at {addr}")
+        finally:
+            if budget is not None:
+                self._limits.release(budget)
+            writer.close()
+
+    # ---- connecting ---------------------------------------------------------------------------------
+    def usable(self, peer_id: str) -> bool:
+        """False for a while after a direct connection to ``peer_id`` failed (libp2p is used then)."""
+        until = self._failed.get(peer_id)
+        if until is None:
+            return True
+        if time.monotonic() >= until:
+            del self._failed[peer_id]
+            return True
+        return False
+
+    async def open(self, peer_id: str, endpoint: Endpoint, round_id: bytes, key: bytes,
+                   require_encryption: bool) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A stream to ``peer_id`` for round ``round_id``, admitted by it. Raises ConnectionError
+        naming the reason on any failure (the caller falls back to libp2p; so will later calls,
+        for RETRY_AFTER_S)."""
+        try:
+            if endpoint.fingerprint is None and require_encryption:
+                raise ConnectionError("its data endpoint is plaintext and this round requires encryption")
+            ctx = self._cert.client if endpoint.fingerprint is not None else None
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(endpoint.host, endpoint.port, ssl=ctx, limit=READ_LIMIT,
+                                        server_hostname="dedloc" if ctx else None), CONNECT_WAIT)
+        except (OSError, asyncio.TimeoutError, ssl.SSLError, ConnectionError) as e:
+            self._give_up(peer_id, f"cannot connect to {endpoint.host}:{endpoint.port}: {e!r}")
+        try:
+            _tune(writer)
+            if ctx is not None:
+                der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+                if hashlib.sha256(der or b"").hexdigest() != endpoint.fingerprint:
+                    raise ProtocolError("its certificate is not the one its group names")
+            nonce = os.urandom(16)
+            await write_message(writer, {"v": VERSION, "r": round_id, "f": self.me, "t": peer_id, "n": nonce,
+                                         "m": _mac(key, _HELLO, round_id, self.me, peer_id, nonce)})
+            answer = await asyncio.wait_for(read_message(reader, MAX_HELLO), HELLO_WAIT)
+            if isinstance(answer, dict) and isinstance(answer.get("refused"), str):
+                raise ProtocolError(f"it refused: {answer['refused'][:200]}")
+            if not (isinstance(answer, dict) and isinstance(answer.get("ok"), bytes)
+                    and hmac.compare_digest(answer["ok"], _mac(key, _OK, nonce))):
+                raise ProtocolError("its answer does not prove it holds the round's key")
+            return reader, writer
+        except BaseException as e:
+            writer.close()
+            if isinstance(e, (ProtocolError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError,
+                              ssl.SSLError)):
+                self._give_up(peer_id, f"{type(e).__name__}: {e}")
+            raise
+
+    def _give_up(self, peer_id: str, why: str) -> None:
+        self._failed[peer_id] = time.monotonic() + RETRY_AFTER_S
+        self._warnings.warn(f"{peer_id} open", f"direct connection to {peer_id} failed ({why}); using libp2p "
+                                               f"streams to it for {RETRY_AFTER_S:.0f} s", level=logging.INFO)
+        raise ConnectionError(f"direct connection to {peer_id} failed: {why}")
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Stop listening and end every connection being served."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+            except asyncio.TimeoutError:
+                pass
+
+
+def _tune(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+__all__ = ["DirectTCP", "Endpoint", "KEY_BYTES", "RETRY_AFTER_S"]

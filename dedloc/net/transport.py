@@ -1,0 +1,118 @@
+"""The transport seam: how a peer opens streams to another peer and serves them.
+
+A stream is an asyncio ``(reader, writer)`` pair carrying one request of one protocol; whoever
+writes last waits (bounded) for the other side to close first (docs/wire.md, "Closing"). What
+travels on it (frames, credits, messages) is the same on every transport.
+
+Implementations:
+- :class:`dedloc.net.serve.Streams`: libp2p streams through the p2p daemon. Reaches every member
+  (relayed, hole-punched), checks membership on every stream. The control plane, and the data
+  plane's fallback.
+- :class:`dedloc.net.tcp.RoundConnections`: direct TCP connections for one round's streams, with
+  a libp2p fallback per pair (net/tcp.py).
+- :class:`LocalPairs` (here): in-process socket pairs, for tests of the round protocols.
+
+Failure behaviour, for every implementation: ``open`` raises ConnectionError if the peer cannot be
+reached (or, for libp2p, Unauthorized / ProtocolError with the peer's reason if it refuses), and
+callers bound it with their own deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+StreamPair = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool | None]]
+"""``handler(info, reader, writer)``: ``info.peer_id`` is the authenticated remote peer (its
+``to_base58()``). Returns True if it wrote last (the transport then waits for the peer to close)."""
+
+
+class Transport(ABC):
+    """Opens streams to peers for a protocol, and serves protocols."""
+
+    @abstractmethod
+    async def open(self, peer_id: str, protocol: str) -> StreamPair:
+        """A stream to ``peer_id`` for ``protocol`` (see the module doc for failures)."""
+
+    @abstractmethod
+    async def serve(self, protocol: str, handler: Handler) -> None:
+        """Hand every incoming stream of ``protocol`` to ``handler``."""
+
+
+@dataclass(frozen=True)
+class _LocalId:
+    name: str
+
+    def to_base58(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class _LocalInfo:
+    peer_id: _LocalId
+    addr: Any = None
+
+
+class LocalPairs:
+    """Peers in one process, connected by Unix socket pairs: ``pairs.transport(name)`` is peer
+    ``name``'s Transport. Each stream's server side runs as a task this object owns; ``close()``
+    waits for (bounded) and then cancels them."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[tuple[str, str], Handler] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def transport(self, name: str) -> Transport:
+        return _LocalTransport(self, name)
+
+    async def _open(self, caller: str, peer_id: str, protocol: str) -> StreamPair:
+        handler = self._handlers.get((peer_id, protocol))
+        if handler is None:
+            raise ConnectionError(f"{peer_id} serves no {protocol}")
+        a, b = socket.socketpair()
+        reader, writer = await asyncio.open_connection(sock=a)
+        server = asyncio.create_task(self._serve(handler, caller, *await asyncio.open_connection(sock=b)))
+        self._tasks.add(server)
+        server.add_done_callback(self._tasks.discard)
+        return reader, writer
+
+    @staticmethod
+    async def _serve(handler: Handler, caller: str, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
+        from dedloc.net.rpc import wait_peer_closed
+
+        wrote_last = False
+        try:
+            wrote_last = bool(await handler(_LocalInfo(_LocalId(caller)), reader, writer))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            if wrote_last:
+                await wait_peer_closed(reader, 30)
+            writer.close()
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Let the streams being served finish (bounded), then cancel what is left."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class _LocalTransport(Transport):
+    def __init__(self, pairs: LocalPairs, name: str):
+        self.pairs, self.name = pairs, name
+
+    async def open(self, peer_id: str, protocol: str) -> StreamPair:
+        return await self.pairs._open(self.name, peer_id, protocol)
+
+    async def serve(self, protocol: str, handler: Handler) -> None:
+        self.pairs._handlers[(self.name, protocol)] = handler
+
+
+__all__ = ["Transport", "LocalPairs", "StreamPair", "Handler"]

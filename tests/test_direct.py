@@ -1,0 +1,145 @@
+"""Direct TCP connections for round streams (net/tcp.py): who may connect, what is pinned, and the
+per-pair fallback to libp2p; real sockets on loopback, real peers for the fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+
+import pytest
+import torch
+
+from dedloc.config import AveragingConfig
+from dedloc.errors import ProtocolError
+from dedloc.net.identity import create_identity
+from dedloc.net.rpc import read_message, write_message
+from dedloc.net.tcp import DirectTCP, Endpoint
+
+A, B, C = "12D3KooWA", "12D3KooWB", "12D3KooWC"  # the transport takes peer ids as given
+ROUND, KEY = bytes(range(16)), bytes(32)
+
+
+async def echo_server(encryption: bool = True, members=(A, B)):
+    """B listening for round ROUND (members ``members``), echoing one message per stream."""
+    server = DirectTCP(B, encryption)
+    served = []
+
+    async def keys(round_id):
+        return (KEY, frozenset(members)) if round_id == ROUND else None
+
+    async def handler(info, reader, writer):
+        served.append(info.peer_id.to_base58())
+        await write_message(writer, await read_message(reader))
+
+    endpoint = await server.listen("127.0.0.1", "127.0.0.1", 0, keys, handler)
+    return server, endpoint, served
+
+
+@pytest.mark.parametrize("encryption", [True, False], ids=["tls", "plaintext"])
+def test_a_member_with_the_round_key_gets_a_stream(encryption):
+    async def main():
+        server, endpoint, served = await echo_server(encryption)
+        client = DirectTCP(A, encryption)
+        try:
+            assert (endpoint.fingerprint is not None) == encryption
+            reader, writer = await client.open(B, endpoint, ROUND, KEY, require_encryption=encryption)
+            assert (writer.get_extra_info("ssl_object") is not None) == encryption
+            await write_message(writer, {"x": 1})
+            assert await read_message(reader) == {"x": 1}
+            writer.close()
+            assert served == [A]
+        finally:
+            await server.close()
+            await client.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("case", ["wrong key", "not a member", "unknown round", "wrong fingerprint",
+                                  "plaintext refused", "closed port"])
+def test_every_bad_connection_is_refused_by_name_and_the_pair_falls_back(case, caplog):
+    """Each failure raises ConnectionError naming it, before any payload, and the client stops
+    trying that peer directly for a while (the averager then uses libp2p)."""
+    async def main():
+        server, endpoint, served = await echo_server(encryption=case != "plaintext refused", members=(A, B))
+        me = C if case == "not a member" else A
+        client = DirectTCP(me)
+        key, rid, ep = KEY, ROUND, endpoint
+        if case == "wrong key":
+            key = bytes([1]) * 32
+        elif case == "unknown round":
+            rid = bytes(16)
+        elif case == "wrong fingerprint":
+            ep = Endpoint(endpoint.host, endpoint.port, "0" * 64)
+        elif case == "closed port":
+            await server.close()
+        try:
+            with pytest.raises(ConnectionError) as err:
+                await client.open(B, ep, rid, key, require_encryption=True)
+            assert not client.usable(B) and served == []
+            return str(err.value)
+        finally:
+            await server.close()
+            await client.close()
+
+    with caplog.at_level("WARNING", logger="dedloc.net.tcp"):
+        why = asyncio.run(main())
+    expected = {"wrong key": "MAC does not check", "not a member": f"{C} is not a member of this round",
+                "unknown round": "unknown round", "wrong fingerprint": "certificate is not the one its group names",
+                "plaintext refused": "plaintext and this round requires encryption",
+                "closed port": "cannot connect"}[case]
+    assert expected in why, why
+    if case in ("wrong key", "not a member", "unknown round"):  # the server names the peer too
+        assert f"refused a direct connection from {C if case == 'not a member' else A}" in caplog.text
+
+
+def test_garbage_and_silence_are_refused_without_a_handler():
+    """A stranger that sends no hello, or junk, is answered or dropped within the hello wait;
+    nothing reaches the handler."""
+    async def main():
+        server, endpoint, served = await echo_server(encryption=False)
+        try:
+            reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+            writer.write((10 ** 6).to_bytes(4, "big") + b"x" * 100)  # claims a 1 MB hello
+            await writer.drain()
+            answer = await asyncio.wait_for(read_message(reader), 10)
+            assert "exceeds" in answer["refused"]
+            writer.close()
+            reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+            await write_message(writer, {"v": 1, "r": "no"})
+            assert "malformed hello" in (await asyncio.wait_for(read_message(reader), 10))["refused"]
+            writer.close()
+            assert served == []
+        finally:
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_endpoints_are_parsed_strictly():
+    e = Endpoint("10.0.0.1", 4000, "ab" * 32)
+    assert Endpoint.parse(e.to_wire()) == e
+    assert Endpoint.parse("10.0.0.1:4000/plain") == Endpoint("10.0.0.1", 4000, None)
+    for bad in ("10.0.0.1/plain", "10.0.0.1:0/plain", "10.0.0.1:4000/xyz", ":4000/plain", "h:99999/plain"):
+        with pytest.raises(ProtocolError):
+            Endpoint.parse(bad)
+
+
+def test_rounds_go_direct_and_a_pair_that_cannot_falls_back_to_libp2p(make_peers, tmp_path):
+    """Three peers; the one with the largest peer id listens in plaintext (encryption off), the leader
+    (the smallest id) asks for encryption: every stream to the plaintext peer goes over libp2p, every
+    other stream directly, and the mean is exact and identical."""
+    paths = sorted((create_identity(tmp_path / f"{i}.key"), str(tmp_path / f"{i}.key")) for i in range(3))
+    avg = dict(matchmaking_time=3, averaging_timeout=30, probe_interval=0, planner="equal")
+    peers = make_peers(3, averaging=[AveragingConfig(**avg, encryption=i < 2) for i in range(3)],
+                       per_peer=[{"identity_path": path} for _, path in paths])
+    xs = [torch.full((100_000,), float(i)) for i in range(3)]
+    with cf.ThreadPoolExecutor(3) as pool:
+        stats = list(pool.map(lambda a: a[0].average(a[1], step=0, weight=1.0, expected_peers=3), zip(peers, xs)))
+    for x in xs:
+        assert torch.equal(x, torch.full((100_000,), 1.0))
+    # peers 0 and 1 open 2 streams to each other directly and 2 to peer 2 over libp2p; peer 2's own
+    # streams to them go direct (their endpoints are TLS, which it can always use)
+    assert stats[0]["streams"] == {"direct": 2, "libp2p": 2}, stats[0]
+    assert stats[1]["streams"] == {"direct": 2, "libp2p": 2}, stats[1]
+    assert stats[2]["streams"] == {"direct": 4, "libp2p": 0}, stats[2]
