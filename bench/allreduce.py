@@ -92,9 +92,11 @@ def _work(rank: int, args: dict, port: int, boot: "mp.Queue", out: "mp.Queue") -
     peers, sizes, repeats, limit = args["peers"], args["sizes"], args["repeats"], args["round_timeout"]
     backends: list[str] = args["backends"]
 
-    # hivemind first: its DHT and averagers are fork-started processes (before any thread exists here)
+    # hivemind first: its DHT and averagers are fork-started processes (before any thread exists here);
+    # a spawned worker's default start method is spawn, which cannot pickle them
     averagers = {}
     if "hivemind" in backends:
+        mp.set_start_method("fork", force=True)
         import hivemind
 
         dht = hivemind.DHT(initial_peers=None if rank == 0 else boot.get(timeout=120), start=True)
@@ -212,12 +214,14 @@ def main() -> None:
     ap.add_argument("--transport", default="tcp", choices=["tcp", "libp2p"],
                     help="tcp: direct connections (libp2p where one fails); libp2p: every stream through the daemon")
     ap.add_argument("--encryption", default="on", choices=["on", "off"], help="TLS on direct connections")
+    ap.add_argument("--planner", default="lp", help="how dedloc's leaders set shares (AveragingConfig.planner)")
     ap.add_argument("--skip-hivemind", action="store_true")
     ap.add_argument("--compare", choices=sorted(COMPARISONS), help="instead: two dedloc variants (module doc)")
     ap.add_argument("--round-timeout", type=float, default=300.0, help="bound on every round, any backend")
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    base = {"transport": "libp2p" if args.transport == "libp2p" else "auto", "encryption": args.encryption == "on"}
+    base = {"transport": "libp2p" if args.transport == "libp2p" else "auto", "encryption": args.encryption == "on",
+            "planner": args.planner}
     if args.compare:
         a_name, b_name, a_changes, b_changes = COMPARISONS[args.compare]
         dedloc = {a_name: {**base, **a_changes}, b_name: {**base, **b_changes}}
@@ -274,7 +278,7 @@ def main() -> None:
 
 def _print(n: int, args, base: dict, backends: list[str], s: dict[str, dict], partial: bool = False) -> None:
     row: dict = {"numel": n, "peers": args.peers, "compression": args.compression, "transport": args.transport,
-                 "encryption": args.encryption}
+                 "encryption": args.encryption, "planner": args.planner}
     if args.compare:
         a, b = backends
         row.update({"compare": args.compare, "a": a, "b": b, "a_s": _round(s[a]["inner_s"]),

@@ -1,5 +1,5 @@
 """Credit-paced sends and zero-copy reads (dedloc.net.bulk) over real Unix sockets, as the p2p
-daemon's streams are."""
+daemon's streams are, and over direct connections (net/direct_stream.py: plaintext TCP and TLS)."""
 
 import asyncio
 import os
@@ -9,22 +9,42 @@ import pytest
 
 from dedloc.errors import ProtocolError
 from dedloc.net import bulk
+from dedloc.net.direct_stream import DirectProtocol
+from dedloc.net.tcp import _Certificate
 
 
-async def pair():
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    ra, wa = await asyncio.open_unix_connection(sock=a)
-    rb, wb = await asyncio.open_unix_connection(sock=b)
-    return (ra, wa), (rb, wb)
+KINDS = ["unix", "tcp", "tls"]
 
 
+async def pair(kind: str = "unix"):
+    """Two connected streams: a Unix socket pair (the daemon's), or a direct connection on loopback."""
+    if kind == "unix":
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ra, wa = await asyncio.open_unix_connection(sock=a)
+        rb, wb = await asyncio.open_unix_connection(sock=b)
+        return (ra, wa), (rb, wb)
+    loop = asyncio.get_running_loop()
+    cert = _Certificate() if kind == "tls" else None
+    accepted = loop.create_future()
+    server = await loop.create_server(lambda: DirectProtocol(loop, 1 << 20, lambda r, w: accepted.set_result((r, w))),
+                                      "127.0.0.1", 0, ssl=cert.server if cert else None)
+    port = server.sockets[0].getsockname()[1]
+    transport, proto = await loop.create_connection(lambda: DirectProtocol(loop, 1 << 20), "127.0.0.1", port,
+                                                    ssl=cert.client if cert else None,
+                                                    server_hostname="dedloc" if cert else None)
+    other = await accepted
+    server.close()
+    return (proto.reader, asyncio.StreamWriter(transport, proto, proto.reader, loop)), other
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("size", [1, bulk.UNIT, bulk.UNIT + 1, 3 * (1 << 20) + 17, 40 << 20])
-def test_paced_payload_arrives_exactly_and_credits_balance(size):
+def test_paced_payload_arrives_exactly_and_credits_balance(size, kind):
     """Small payloads take the ordinary path, large ones the zero-copy path; either way the bytes
     are exact, and the sender consumes exactly the credits sent: what follows on the stream is intact."""
 
     async def go():
-        (ra, wa), (rb, wb) = await pair()
+        (ra, wa), (rb, wb) = await pair(kind)
         data = os.urandom(size)
         out = bytearray(size)
 
@@ -52,9 +72,10 @@ def test_paced_payload_arrives_exactly_and_credits_balance(size):
     asyncio.run(go())
 
 
-def test_zero_copy_read_starts_from_what_the_reader_already_buffered():
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_copy_read_starts_from_what_the_reader_already_buffered(kind):
     async def go():
-        (ra, wa), (rb, wb) = await pair()
+        (ra, wa), (rb, wb) = await pair(kind)
         data = os.urandom(5 << 20)
         wa.write(b"H" + data[:100_000])  # arrives before the payload read starts
         await wa.drain()
@@ -71,9 +92,10 @@ def test_zero_copy_read_starts_from_what_the_reader_already_buffered():
     asyncio.run(go())
 
 
-def test_sender_closing_mid_payload_raises_incomplete_read():
+@pytest.mark.parametrize("kind", KINDS)
+def test_sender_closing_mid_payload_raises_incomplete_read(kind):
     async def go():
-        (ra, wa), (rb, wb) = await pair()
+        (ra, wa), (rb, wb) = await pair(kind)
         for size in (1000, 4 << 20):  # ordinary and zero-copy paths
             reading = asyncio.create_task(bulk.recv_into(rb, None, memoryview(bytearray(size))))
             wa.write(os.urandom(size // 2))
@@ -82,7 +104,7 @@ def test_sender_closing_mid_payload_raises_incomplete_read():
             with pytest.raises(asyncio.IncompleteReadError):
                 await asyncio.wait_for(reading, 10)
             wb.close()
-            (ra, wa), (rb, wb) = await pair()
+            (ra, wa), (rb, wb) = await pair(kind)
         wa.close()
         wb.close()
 

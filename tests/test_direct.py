@@ -16,7 +16,7 @@ from dedloc.net.rpc import read_message, write_message
 from dedloc.net.tcp import DirectTCP, Endpoint
 
 A, B, C = "12D3KooWA", "12D3KooWB", "12D3KooWC"  # the transport takes peer ids as given
-ROUND, KEY = bytes(range(16)), bytes(32)
+ROUND, KEY, PROTO = bytes(range(16)), bytes(32), "dedloc.test.allreduce"
 
 
 async def echo_server(encryption: bool = True, members=(A, B)):
@@ -31,7 +31,8 @@ async def echo_server(encryption: bool = True, members=(A, B)):
         served.append(info.peer_id.to_base58())
         await write_message(writer, await read_message(reader))
 
-    endpoint = await server.listen("127.0.0.1", "127.0.0.1", 0, keys, handler)
+    await server.serve(PROTO, handler)
+    endpoint = await server.listen("127.0.0.1", "127.0.0.1", 0, keys)
     return server, endpoint, served
 
 
@@ -42,7 +43,7 @@ def test_a_member_with_the_round_key_gets_a_stream(encryption):
         client = DirectTCP(A, encryption)
         try:
             assert (endpoint.fingerprint is not None) == encryption
-            reader, writer = await client.open(B, endpoint, ROUND, KEY, require_encryption=encryption)
+            reader, writer = await client.open(B, PROTO, endpoint, ROUND, KEY, require_encryption=encryption)
             assert (writer.get_extra_info("ssl_object") is not None) == encryption
             await write_message(writer, {"x": 1})
             assert await read_message(reader) == {"x": 1}
@@ -55,8 +56,8 @@ def test_a_member_with_the_round_key_gets_a_stream(encryption):
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("case", ["wrong key", "not a member", "unknown round", "wrong fingerprint",
-                                  "plaintext refused", "closed port"])
+@pytest.mark.parametrize("case", ["wrong key", "not a member", "unknown round", "unserved protocol",
+                                  "wrong fingerprint", "plaintext refused", "closed port"])
 def test_every_bad_connection_is_refused_by_name_and_the_pair_falls_back(case, caplog):
     """Each failure raises ConnectionError naming it, before any payload, and the client stops
     trying that peer directly for a while (the averager then uses libp2p)."""
@@ -64,7 +65,7 @@ def test_every_bad_connection_is_refused_by_name_and_the_pair_falls_back(case, c
         server, endpoint, served = await echo_server(encryption=case != "plaintext refused", members=(A, B))
         me = C if case == "not a member" else A
         client = DirectTCP(me)
-        key, rid, ep = KEY, ROUND, endpoint
+        key, rid, ep, proto = KEY, ROUND, endpoint, PROTO
         if case == "wrong key":
             key = bytes([1]) * 32
         elif case == "unknown round":
@@ -73,9 +74,11 @@ def test_every_bad_connection_is_refused_by_name_and_the_pair_falls_back(case, c
             ep = Endpoint(endpoint.host, endpoint.port, "0" * 64)
         elif case == "closed port":
             await server.close()
+        elif case == "unserved protocol":
+            proto = "dedloc.test.state"
         try:
             with pytest.raises(ConnectionError) as err:
-                await client.open(B, ep, rid, key, require_encryption=True)
+                await client.open(B, proto, ep, rid, key, require_encryption=True)
             assert not client.usable(B) and served == []
             return str(err.value)
         finally:
@@ -85,11 +88,12 @@ def test_every_bad_connection_is_refused_by_name_and_the_pair_falls_back(case, c
     with caplog.at_level("WARNING", logger="dedloc.net.tcp"):
         why = asyncio.run(main())
     expected = {"wrong key": "MAC does not check", "not a member": f"{C} is not a member of this round",
-                "unknown round": "unknown round", "wrong fingerprint": "certificate is not the one its group names",
+                "unknown round": "unknown round", "unserved protocol": "serves no 'dedloc.test.state'",
+                "wrong fingerprint": "certificate is not the one its group names",
                 "plaintext refused": "plaintext and this round requires encryption",
                 "closed port": "cannot connect"}[case]
     assert expected in why, why
-    if case in ("wrong key", "not a member", "unknown round"):  # the server names the peer too
+    if case in ("wrong key", "not a member", "unknown round", "unserved protocol"):  # the server names it too
         assert f"refused a direct connection from {C if case == 'not a member' else A}" in caplog.text
 
 

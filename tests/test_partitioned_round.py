@@ -1,4 +1,4 @@
-"""The partitioned round's protocol, run in one process over Unix socket pairs (no daemons).
+"""The partitioned round's protocol, run in one process over socket pairs (net/transport.LocalPairs, no daemons).
 
 What is checked here is an ordering rule of the backup protocol (docs/averaging.md): an
 aggregator sends its result to every member at once, but nobody except the backup can complete
@@ -6,7 +6,6 @@ it before the backup has confirmed that it holds a copy.
 """
 
 import asyncio
-import socket
 
 import pytest
 import torch
@@ -17,9 +16,10 @@ from dedloc.averaging.round_aggregator import AggregatorRole
 from dedloc.averaging.round_member import MemberRole
 from dedloc.averaging.group import Group, Member
 from dedloc.averaging.wire import Kind, read_header, write_frame
-from dedloc.net.rpc import wait_peer_closed
+from dedloc.net.transport import LocalPairs
 
 RID = bytes(range(16))
+PROTO = "dedloc.test.allreduce"
 
 
 class RefusingMember(MemberRole):
@@ -34,36 +34,23 @@ class RefusingBackup(PartitionedRound):
 
 
 async def run_rounds(group: Group, xs: list[torch.Tensor], kinds: list[type], timeout: float = 20.0):
-    """Run one round per member, connected by socket pairs; returns (outputs or errors, rounds)."""
+    """Run one round per member, connected by in-process socket pairs (net/transport.LocalPairs);
+    returns (outputs or errors, rounds)."""
+    pairs = LocalPairs()
     rounds: list[PartitionedRound] = []
-    servers: set[asyncio.Task] = set()
 
-    async def serve(target: int, caller: str, reader, writer) -> None:
-        wrote_last = False
-        try:
-            wrote_last = await rounds[target].handle(caller, await read_header(reader), reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            if wrote_last:
-                await wait_peer_closed(reader, timeout)
-            writer.close()
-
-    def opener(me: int):
-        async def open_stream(peer_id: str):
-            a, b = socket.socketpair()
-            reader, writer = await asyncio.open_connection(sock=a)
-            server = asyncio.create_task(serve(group.index(peer_id), group.members[me].peer_id,
-                                               *await asyncio.open_connection(sock=b)))
-            servers.add(server)
-            return reader, writer
-        return open_stream
+    def serve(i: int):
+        async def handler(info, reader, writer) -> bool:
+            return await rounds[i].handle(info.peer_id.to_base58(), await read_header(reader), reader, writer)
+        return handler
 
     for i, kind in enumerate(kinds):
-        rounds.append(kind(group, i, xs[i], group.members[i].weight, opener(i), timeout))
+        me = pairs.transport(group.members[i].peer_id)
+        await me.serve(PROTO, serve(i))
+        rounds.append(kind(group, i, xs[i], group.members[i].weight, lambda peer, t=me: t.open(peer, PROTO), timeout))
     try:
         outs = await asyncio.gather(*(r.run() for r in rounds), return_exceptions=True)
-        await asyncio.wait_for(asyncio.gather(*servers, return_exceptions=True), timeout)
+        await pairs.close(timeout)
     finally:
         for r in rounds:
             r.close()

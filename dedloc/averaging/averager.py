@@ -33,7 +33,8 @@ from dedloc.config import AveragingConfig
 from dedloc.errors import AveragingError, ProtocolError
 from dedloc.net.node import Node
 from dedloc.net.rpc import wait_peer_closed
-from dedloc.net.tcp import DirectTCP, Endpoint
+from dedloc.net.tcp import DirectTCP, RoundConnections
+from dedloc.net.transport import Handler, StreamPair, Transport
 from dedloc.numerics import all_finite
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,24 @@ class _Broadcast:
             self.result.cancel()
 
 
+class _RoundStreams(Transport):
+    """libp2p streams as rounds see them: a refusal (the peer is not a member to us, or we are over
+    its limits) raises ConnectionError with the peer's reason, like a peer the daemon cannot reach,
+    so every round handles it as the broken connection it is."""
+
+    def __init__(self, streams: Transport):
+        self.streams = streams
+
+    async def open(self, peer_id: str, protocol: str) -> StreamPair:
+        try:
+            return await self.streams.open(peer_id, protocol)
+        except ProtocolError as e:
+            raise ConnectionError(str(e)) from None
+
+    async def serve(self, protocol: str, handler: Handler) -> None:
+        await self.streams.serve(protocol, handler)
+
+
 class Averager:
     """One peer's averaging: call ``average`` once per step with that step's tensor."""
 
@@ -99,6 +118,7 @@ class Averager:
         self._idle.set()
         self._reporters: set[asyncio.Task] = set()
         """Passive measurements waiting for their round to finish sending (bounded by its deadline)."""
+        self._libp2p = _RoundStreams(node.streams)
         self.tcp: DirectTCP | None = None
         """Direct connections for round streams (None: libp2p streams only; net/tcp.py)."""
         self._keys: dict[bytes, tuple[bytes, frozenset[str]]] = {}
@@ -107,13 +127,14 @@ class Averager:
     async def start(self) -> None:
         await self.matchmaker.start()
         if not self.node.config.client_mode:
-            await self.node.streams.serve(self.proto, self._on_stream)
+            await self._libp2p.serve(self.proto, self._on_stream)
         if self.config.transport == "libp2p":
             return
         self.tcp = DirectTCP(self.me, self.config.encryption)
         where = await self._data_address() if self.node.reachable else None
         if where is not None:
-            endpoint = await self.tcp.listen(*where, self.config.data_port, self._round_key, self._on_stream)
+            await self.tcp.serve(self.proto, self._on_stream)
+            endpoint = await self.tcp.listen(*where, self.config.data_port, self._round_key)
             self.matchmaker.data = endpoint.to_wire()
 
     async def _data_address(self) -> tuple[str, str] | None:
@@ -139,25 +160,11 @@ class Averager:
 
     def _opener(self, group: Group, stats: dict[str, Any]) -> OpenStream:
         """How this round reaches a member: a direct connection where the group and the member allow
-        it (net/tcp.py), else, or if it fails, a libp2p stream. Counts both in ``stats["streams"]``."""
+        it, else (or if it fails) a libp2p stream (net/tcp.RoundConnections); counted in ``stats["streams"]``."""
         counts = stats.setdefault("streams", {"direct": 0, "libp2p": 0})
-
-        async def open_stream(peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-            i = group.index(peer_id)
-            data = group.members[i].data if i is not None else ""
-            if self.tcp is not None and group.key and data and self.tcp.usable(peer_id):
-                try:
-                    stream = await self.tcp.open(peer_id, Endpoint.parse(data), group.round_id, group.key,
-                                                 group.encryption)
-                    counts["direct"] += 1
-                    return stream
-                except (ConnectionError, ProtocolError) as e:
-                    logger.debug(f"step {group.step}: {e}; a libp2p stream instead")
-            stream = await self._open(peer_id)
-            counts["libp2p"] += 1
-            return stream
-
-        return open_stream
+        rt = RoundConnections(self.tcp, group.round_id, group.key, {m.peer_id: m.data for m in group.members},
+                              group.encryption, self._libp2p, counts)
+        return lambda peer_id: rt.open(peer_id, self.proto)
 
     # ---- round registry -------------------------------------------------------------------------
     def _register(self, round_id: bytes, rnd: _Round, lifetime: float, group: Group) -> None:
@@ -253,15 +260,6 @@ class Averager:
         finally:  # waited here, not by the helper, so that drain() counts it as serving
             if wrote_last:  # closing first could make the daemon drop the tail of what we wrote
                 await wait_peer_closed(reader, self.config.averaging_timeout)
-
-    async def _open(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """A stream to ``peer_id``; ConnectionError naming it if the daemon cannot reach it (a dead peer),
-        so every round handles it as the broken connection it is; so is a refusal (the peer is not a
-        member to us, or we are over its limits), with the peer's reason."""
-        try:
-            return await self.node.streams.open(peer_id, self.proto)
-        except ProtocolError as e:
-            raise ConnectionError(str(e)) from None
 
     # ---- the entry point ----------------------------------------------------------------------------
     async def average(self, tensor: torch.Tensor, step: int, weight: float, expected_peers: int | None = None,

@@ -36,6 +36,7 @@ from dedloc.auth.authorizer import Authorizer, OpenRun
 from dedloc.errors import ProtocolError, Unauthorized
 from dedloc.logs import PerPeerWarnings
 from dedloc.net.limits import Budget, PeerLimits
+from dedloc.net.transport import Transport
 from dedloc.net.rpc import connections, read_message, relayed, reply_last, wait_peer_closed, write_message
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ where its connection comes from. Returns True if it wrote last (see the close ru
 RequestHandler = Callable[[PeerID, Any], Awaitable[Any]]
 
 
-class Streams:
+class Streams(Transport):
     """This peer's stream transport over the libp2p daemon: opens streams to peers and serves
     protocols, with membership and per-peer limits checked on every inbound stream."""
 

@@ -5,8 +5,9 @@ membership); only round streams take this path, and only between members of one 
 **Who may connect.** A round's leader draws a 32-byte secret for the round and hands it to every
 member over the authenticated, encrypted libp2p join stream (``Group.key``). A connection's first
 message, before any payload, is a hello ``{v, r: round id, f: from, t: to, n: 16 random bytes,
-m: HMAC-SHA256(key, "dedloc tcp hello" | r | f | t | n)}``; the server checks that the round is
-one it serves, that ``f`` is a member and ``t`` is itself, and the MAC, then answers
+p: protocol, m: HMAC-SHA256(key, "dedloc tcp hello" | r | p | f | t | n)}``; the server checks that the round is
+one it serves, that ``f`` is a member and ``t`` is itself, and the MAC (which covers the protocol
+``p`` too), then answers
 ``{ok: HMAC(key, "dedloc tcp ok" | n)}`` (the client checks it) or ``{refused: reason}``
 (logged with the claimed peer id). Only a member of the round can open a stream; a member could
 claim another member's id (it knows the key), which gains it nothing it could not send as itself.
@@ -18,9 +19,12 @@ fingerprint the leader's group names, before it sends the hello. ``AveragingConf
 False`` (a trusted network only) makes a peer listen in plaintext; a member whose group asks for
 encryption never sends to a plaintext endpoint (it falls back to libp2p for that pair).
 
-**Fallback.** ``open`` raises ConnectionError on any failure (connect, TLS, fingerprint, refusal);
-the caller (averaging/averager.py) then uses a libp2p stream for that pair, and skips the direct
-path to that peer for ``RETRY_AFTER_S``.
+**Fallback.** :class:`RoundConnections` is one round's Transport (net/transport.py): it opens a
+direct connection where the group names an endpoint, and a stream of its fallback transport
+(libp2p) where it names none or the direct connection fails (connect, TLS, fingerprint, refusal);
+it then skips the direct path to that peer for ``RETRY_AFTER_S``.
+
+Payloads are received straight into their destination (net/direct_stream.py).
 
 The server owns one task per connection; ``close()`` stops listening, cancels them and waits.
 """
@@ -48,8 +52,10 @@ from hivemind.p2p import PeerID
 
 from dedloc.errors import ProtocolError
 from dedloc.logs import PerPeerWarnings
+from dedloc.net.direct_stream import DirectProtocol
 from dedloc.net.limits import PeerLimits
 from dedloc.net.rpc import read_message, wait_peer_closed, write_message
+from dedloc.net.transport import Handler, StreamPair, Transport
 
 logger = logging.getLogger(__name__)
 VERSION = 1
@@ -61,6 +67,7 @@ HELLO_WAIT = 5.0
 RETRY_AFTER_S = 60.0
 READ_LIMIT = 1 << 20
 """asyncio's reader buffer before it pauses the socket (its 64 KiB default cost TLS reads a pause per 128 KiB)."""
+CLOSE_WAIT = 60.0
 MAX_CONNECTIONS_PER_PEER = 64
 RATE_PER_PEER = 100.0
 BURST_PER_PEER = 400.0
@@ -69,7 +76,6 @@ _HELLO, _OK = b"dedloc tcp hello\x00", b"dedloc tcp ok\x00"
 RoundKeys = Callable[[bytes], Awaitable["tuple[bytes, frozenset[str]] | None"]]
 """``keys(round_id)``: the round's secret and its members' peer ids, once this peer serves the round
 (waiting briefly for it to start), or None if it does not."""
-Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -156,61 +162,67 @@ class DirectTCP:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self._failed: dict[str, float] = {}
+        self._handlers: dict[str, Handler] = {}
         self._limits = PeerLimits(RATE_PER_PEER, BURST_PER_PEER, MAX_CONNECTIONS_PER_PEER)
         self._warnings = PerPeerWarnings(logger)
 
     # ---- serving ------------------------------------------------------------------------------------
-    async def listen(self, bind: str, announce: str, port: int, keys: RoundKeys, handler: Handler) -> Endpoint:
-        """Accept direct connections on ``bind:port`` (0: any free port), announced as ``announce``.
-        Each admitted connection is handed to ``handler(info, reader, writer)``, which reads the
-        round's first frame; the connection is closed when it returns."""
+    async def serve(self, protocol: str, handler: Handler) -> None:
+        """Hand admitted direct connections for ``protocol`` to ``handler(info, reader, writer)``;
+        the connection is closed when it returns (after the close rule's wait if it wrote last)."""
+        self._handlers[protocol] = handler
+
+    async def listen(self, bind: str, announce: str, port: int, keys: RoundKeys) -> Endpoint:
+        """Accept direct connections on ``bind:port`` (0: any free port), announced as ``announce``,
+        for the rounds ``keys`` knows."""
+        loop = asyncio.get_running_loop()
         ctx = self._cert.server if self.encryption else None
 
-        async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            task = asyncio.current_task()
+        def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.create_task(self._serve(reader, writer, keys))
             self._tasks.add(task)
-            try:
-                await self._serve(reader, writer, keys, handler)
-            finally:
-                self._tasks.discard(task)
+            task.add_done_callback(self._tasks.discard)
 
-        self._server = await asyncio.start_server(on_connection, bind, port, ssl=ctx, limit=READ_LIMIT,
-                                                  ssl_handshake_timeout=CONNECT_WAIT if ctx else None)
+        self._server = await loop.create_server(lambda: DirectProtocol(loop, READ_LIMIT, connected), bind, port,
+                                                ssl=ctx, ssl_handshake_timeout=CONNECT_WAIT if ctx else None)
         bound = self._server.sockets[0].getsockname()[1]
         self.endpoint = Endpoint(announce, bound, self._cert.fingerprint if self.encryption else None)
         logger.info(f"direct data connections on {bind}:{bound} ({'TLS 1.3' if self.encryption else 'plaintext'}), "
                     f"announced as {self.endpoint.host}:{bound}")
         return self.endpoint
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, keys: RoundKeys,
-                     handler: Handler) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, keys: RoundKeys) -> None:
         addr = writer.get_extra_info("peername")
-        claimed, budget = "an unnamed peer", None
+        claimed, budget, wrote_last = "an unnamed peer", None, False
         try:
             _tune(writer)
             hello = await asyncio.wait_for(read_message(reader, MAX_HELLO), HELLO_WAIT)
             if not isinstance(hello, dict) or hello.get("v") != VERSION:
                 raise ProtocolError(f"not a dedloc direct-connection hello (version {VERSION})")
-            r, f, t, n, m = (hello.get(k) for k in ("r", "f", "t", "n", "m"))
-            if not (isinstance(r, bytes) and isinstance(f, str) and isinstance(t, str) and isinstance(n, bytes)
-                    and isinstance(m, bytes) and len(r) == 16 and len(n) == 16 and len(f) <= 128):
+            r, p, f, t, n, m = (hello.get(k) for k in ("r", "p", "f", "t", "n", "m"))
+            if not (isinstance(r, bytes) and isinstance(p, str) and isinstance(f, str) and isinstance(t, str)
+                    and isinstance(n, bytes) and isinstance(m, bytes) and len(r) == 16 and len(n) == 16
+                    and len(f) <= 128):
                 raise ProtocolError("malformed hello")
             claimed = f
             if t != self.me:
                 raise ProtocolError(f"the hello is addressed to {t}, not to this peer")
+            handler = self._handlers.get(p)
+            if handler is None:
+                raise ProtocolError(f"this peer serves no {p!r} over direct connections")
             found = await keys(r)
             if found is None:
                 raise ProtocolError("unknown round (missed or expired)")
             key, members = found
             if f not in members:
                 raise ProtocolError(f"{f} is not a member of this round")
-            if not hmac.compare_digest(m, _mac(key, _HELLO, r, f, t, n)):
+            if not hmac.compare_digest(m, _mac(key, _HELLO, r, p, f, t, n)):
                 raise ProtocolError("the hello's MAC does not check with the round's key")
             budget = self._limits.acquire(f)
             if budget is None:
                 raise ProtocolError(f"too many direct connections from this peer ({self._limits.describe()})")
             await write_message(writer, {"ok": _mac(key, _OK, n)})
-            await handler(_Info(PeerID.from_base58(f), addr), reader, writer)
+            wrote_last = bool(await handler(_Info(PeerID.from_base58(f), addr), reader, writer))
         except ProtocolError as e:
             self._warnings.warn(f"{claimed} tcp", f"refused a direct connection from {claimed} at {addr}: {e}")
             try:
@@ -225,6 +237,8 @@ class DirectTCP:
         finally:
             if budget is not None:
                 self._limits.release(budget)
+            if wrote_last:
+                await wait_peer_closed(reader, CLOSE_WAIT)
             writer.close()
 
     # ---- connecting ---------------------------------------------------------------------------------
@@ -238,8 +252,8 @@ class DirectTCP:
             return True
         return False
 
-    async def open(self, peer_id: str, endpoint: Endpoint, round_id: bytes, key: bytes,
-                   require_encryption: bool) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def open(self, peer_id: str, protocol: str, endpoint: Endpoint, round_id: bytes, key: bytes,
+                   require_encryption: bool) -> StreamPair:
         """A stream to ``peer_id`` for round ``round_id``, admitted by it. Raises ConnectionError
         naming the reason on any failure (the caller falls back to libp2p; so will later calls,
         for RETRY_AFTER_S)."""
@@ -247,9 +261,11 @@ class DirectTCP:
             if endpoint.fingerprint is None and require_encryption:
                 raise ConnectionError("its data endpoint is plaintext and this round requires encryption")
             ctx = self._cert.client if endpoint.fingerprint is not None else None
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(endpoint.host, endpoint.port, ssl=ctx, limit=READ_LIMIT,
-                                        server_hostname="dedloc" if ctx else None), CONNECT_WAIT)
+            loop = asyncio.get_running_loop()
+            transport, proto = await asyncio.wait_for(
+                loop.create_connection(lambda: DirectProtocol(loop, READ_LIMIT), endpoint.host, endpoint.port,
+                                       ssl=ctx, server_hostname="dedloc" if ctx else None), CONNECT_WAIT)
+            reader, writer = proto.reader, asyncio.StreamWriter(transport, proto, proto.reader, loop)
         except (OSError, asyncio.TimeoutError, ssl.SSLError, ConnectionError) as e:
             self._give_up(peer_id, f"cannot connect to {endpoint.host}:{endpoint.port}: {e!r}")
         try:
@@ -259,8 +275,9 @@ class DirectTCP:
                 if hashlib.sha256(der or b"").hexdigest() != endpoint.fingerprint:
                     raise ProtocolError("its certificate is not the one its group names")
             nonce = os.urandom(16)
-            await write_message(writer, {"v": VERSION, "r": round_id, "f": self.me, "t": peer_id, "n": nonce,
-                                         "m": _mac(key, _HELLO, round_id, self.me, peer_id, nonce)})
+            await write_message(writer, {"v": VERSION, "r": round_id, "p": protocol, "f": self.me, "t": peer_id,
+                                         "n": nonce, "m": _mac(key, _HELLO, round_id, protocol, self.me, peer_id,
+                                                               nonce)})
             answer = await asyncio.wait_for(read_message(reader, MAX_HELLO), HELLO_WAIT)
             if isinstance(answer, dict) and isinstance(answer.get("refused"), str):
                 raise ProtocolError(f"it refused: {answer['refused'][:200]}")
@@ -296,10 +313,37 @@ class DirectTCP:
                 pass
 
 
+class RoundConnections(Transport):
+    """One round's streams: direct where the group names the member's endpoint and a direct
+    connection works, else the ``fallback`` transport's (module doc). Counts both in ``counts``."""
+
+    def __init__(self, tcp: DirectTCP | None, round_id: bytes, key: bytes, endpoints: dict[str, str],
+                 encryption: bool, fallback: Transport, counts: dict[str, int]):
+        self.tcp, self.round_id, self.key, self.endpoints = tcp, round_id, key, endpoints
+        self.encryption, self.fallback, self.counts = encryption, fallback, counts
+
+    async def open(self, peer_id: str, protocol: str) -> StreamPair:
+        data = self.endpoints.get(peer_id, "")
+        if self.tcp is not None and self.key and data and self.tcp.usable(peer_id):
+            try:
+                stream = await self.tcp.open(peer_id, protocol, Endpoint.parse(data), self.round_id, self.key,
+                                             self.encryption)
+                self.counts["direct"] = self.counts.get("direct", 0) + 1
+                return stream
+            except (ConnectionError, ProtocolError) as e:
+                logger.debug(f"{e}; a libp2p stream instead")
+        stream = await self.fallback.open(peer_id, protocol)
+        self.counts["libp2p"] = self.counts.get("libp2p", 0) + 1
+        return stream
+
+    async def serve(self, protocol: str, handler: Handler) -> None:
+        raise NotImplementedError("a round's connections only open streams; DirectTCP and the node serve them")
+
+
 def _tune(writer: asyncio.StreamWriter) -> None:
     sock = writer.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-__all__ = ["DirectTCP", "Endpoint", "KEY_BYTES", "RETRY_AFTER_S"]
+__all__ = ["DirectTCP", "Endpoint", "RoundConnections", "KEY_BYTES", "RETRY_AFTER_S"]
