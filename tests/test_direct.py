@@ -94,7 +94,7 @@ def test_every_bad_connection_is_refused_by_name_and_the_pair_falls_back(case, c
                 "closed port": "cannot connect"}[case]
     assert expected in why, why
     if case in ("wrong key", "not a member", "unknown round", "unserved protocol"):  # the server names it too
-        assert f"refused a direct connection from {C if case == 'not a member' else A}" in caplog.text
+        assert f"refused a direct stream from {C if case == 'not a member' else A}: " in caplog.text
 
 
 def test_garbage_and_silence_are_refused_without_a_handler():

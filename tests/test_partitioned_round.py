@@ -155,20 +155,22 @@ class TwoFacedRound(PartitionedRound):
     aggregator_role = TwoFacedCheater
 
 
-def verified_group(n: int) -> Group:
-    return Group(RID, 0, tuple(Member(f"p{i}", float(i + 1), 1.0) for i in range(n)), verify=True)
+def verified_round(numel: int, seed: int, n: int = 4):
+    """A verified group of n members weighted 1..n, their random vectors, and the exact weighted mean."""
+    group = Group(RID, 0, tuple(Member(f"p{i}", float(i + 1), 1.0) for i in range(n)), verify=True)
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(numel, generator=gen) for _ in range(n)]
+    return group, xs, sum((i + 1) * x for i, x in enumerate(xs)) / (n * (n + 1) / 2)
 
 
 def test_a_verified_round_gives_the_same_result_and_checks_every_part():
     """Verification changes nothing in an honest round: bit-identical to the unverified round; each
     backup recomputed its part and every other member checked its copy against the backup's."""
-    numel = 1_000_003
-    gen = torch.Generator().manual_seed(7)
-    xs = [torch.randn(numel, generator=gen) for _ in range(4)]
-    plain = Group(RID, 0, tuple(Member(f"p{i}", float(i + 1), 1.0) for i in range(4)))
+    group, xs, _ = verified_round(1_000_003, 7)
+    plain = Group(RID, 0, group.members)
     expected, _ = asyncio.run(run_rounds(plain, [x.clone() for x in xs], [PartitionedRound] * 4))
 
-    outs, rounds = asyncio.run(run_rounds(verified_group(4), xs, [PartitionedRound] * 4))
+    outs, rounds = asyncio.run(run_rounds(group, xs, [PartitionedRound] * 4))
 
     for out in outs:
         assert isinstance(out, torch.Tensor), out
@@ -185,11 +187,7 @@ def test_an_aggregator_that_changes_its_part_is_caught(cheat, caplog):
     everyone takes the backup's recomputation), or in every copy but its backup's (every other member
     finds its copy differs from the backup's digest). Either way the honest members end with the exact
     mean, identical, and aggregator 0 is named."""
-    numel = 400_001
-    group = verified_group(4)
-    gen = torch.Generator().manual_seed(11)
-    xs = [torch.randn(numel, generator=gen) for _ in range(4)]
-    ref = sum((i + 1) * x for i, x in enumerate(xs)) / 10
+    group, xs, ref = verified_round(400_001, 11)
 
     with caplog.at_level("WARNING", logger="dedloc.averaging"):
         outs, rounds = asyncio.run(run_rounds(group, xs, [cheat, PartitionedRound, PartitionedRound,
@@ -223,11 +221,7 @@ def test_in_a_verified_round_the_backup_serves_its_recomputation_at_once(caplog)
     """Aggregator 0 reduces its part but cannot deliver it. Its backup already recomputed the part
     from the copies (aggregator 0's own contribution included), so every member takes that, without
     the failover's re-sent contributions: the exact mean over all four."""
-    numel = 200_003
-    group = verified_group(4)
-    gen = torch.Generator().manual_seed(13)
-    xs = [torch.randn(numel, generator=gen) for _ in range(4)]
-    ref = sum((i + 1) * x for i, x in enumerate(xs)) / 10
+    group, xs, ref = verified_round(200_003, 13)
 
     with caplog.at_level("INFO", logger="dedloc.averaging"):
         outs, rounds = asyncio.run(run_rounds(group, xs, [MuteRound] + [PartitionedRound] * 3))

@@ -287,8 +287,8 @@ async def recv_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter |
         if on_progress is not None:
             on_progress(done)
 
-    direct = getattr(reader, "_dedloc_direct", None) if total >= ZEROCOPY_MIN else None
-    if direct is not None:
+    def take_buffered() -> None:
+        """What the reader already holds goes first (a zero-copy read starts after it)."""
         exc = reader.exception()
         if exc is not None:
             raise exc
@@ -298,6 +298,10 @@ async def recv_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter |
             view[:n] = buffered[:n]
             del buffered[:n]
             progress(n)
+
+    direct = getattr(reader, "_dedloc_direct", None) if total >= ZEROCOPY_MIN else None
+    if direct is not None:
+        take_buffered()
         await direct.read_into(view[done:], progress)
         return Transfer(total, start, time.monotonic())
     transport, sock = _socket_of(reader) if total >= ZEROCOPY_MIN else (None, None)
@@ -309,15 +313,7 @@ async def recv_into(reader: asyncio.StreamReader, writer: asyncio.StreamWriter |
             view[done:done + len(data)] = data
             progress(len(data))
         return Transfer(total, start, time.monotonic())
-    exc = reader.exception()
-    if exc is not None:
-        raise exc
-    buffered = reader._buffer  # noqa: SLF001 (see _socket_of)
-    n = min(len(buffered), total)
-    if n:
-        view[:n] = buffered[:n]
-        del buffered[:n]
-        progress(n)
+    take_buffered()
     if done == total:
         return Transfer(total, start, time.monotonic())
     if reader.at_eof():

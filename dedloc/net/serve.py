@@ -35,9 +35,9 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from dedloc.auth.authorizer import Authorizer, OpenRun
 from dedloc.errors import ProtocolError, Unauthorized
 from dedloc.logs import PerPeerWarnings
-from dedloc.net.limits import Budget, PeerLimits
-from dedloc.net.transport import Transport
-from dedloc.net.rpc import connections, read_message, relayed, reply_last, wait_peer_closed, write_message
+from dedloc.net.limits import PeerLimits
+from dedloc.net.transport import Refused, Transport, serve_stream
+from dedloc.net.rpc import connections, read_message, relayed, reply_last, write_message
 
 logger = logging.getLogger(__name__)
 STREAM_VERSION = 1
@@ -155,33 +155,19 @@ class Streams(Transport):
         """Serve protocol ``name``: every stream is admitted (module docstring), then handled."""
 
         async def _on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            peer = info.peer_id.to_base58()
-            budget: Budget | None = None
-            wrote_last = False
-            try:
+            async def admit() -> tuple[Any, Callable[[], None]]:
+                peer = info.peer_id.to_base58()
                 refusal, member = await self._admit(peer, reader)
-                if refusal is None:
-                    budget = self.limits.acquire(peer)
-                    if budget is None:
-                        refusal = f"too many streams from this peer ({self.limits.describe()})"
+                budget = self.limits.acquire(peer) if refusal is None else None
+                if refusal is None and budget is None:
+                    refusal = f"too many streams from this peer ({self.limits.describe()})"
                 if refusal is not None:
-                    self.warnings.warn(f"{peer} {name}", f"refused a {name} stream from {peer}: {refusal}")
-                    await reply_last(reader, writer, {"refused": refusal, "member": member}, HELLO_WAIT)
-                    return
+                    raise Refused(peer, refusal, lambda: reply_last(reader, writer, {"refused": refusal,
+                                                                                    "member": member}, HELLO_WAIT))
                 await write_message(writer, {"ok": True})
-                wrote_last = bool(await handler(info, reader, writer))
-            except ProtocolError as e:
-                self.warnings.warn(f"{peer} {name}", f"rejected a {name} stream from {peer}: {e}")
-            except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
-                logger.debug(f"{name} stream from {peer} ended early: {e!r}")
-            except Exception:
-                logger.exception(f"failed to serve a {name} stream from {peer}")
-            finally:
-                if budget is not None:
-                    self.limits.release(budget)
-                if wrote_last:
-                    await wait_peer_closed(reader, close_wait)
-                writer.close()
+                return info, lambda: self.limits.release(budget)
+
+            await serve_stream(name, admit, handler, reader, writer, close_wait, self.warnings, logger)
 
         await self.p2p.add_binary_stream_handler(name, _on_stream)
 

@@ -55,7 +55,7 @@ from dedloc.logs import PerPeerWarnings
 from dedloc.net.direct_stream import DirectProtocol
 from dedloc.net.limits import PeerLimits
 from dedloc.net.rpc import read_message, wait_peer_closed, write_message
-from dedloc.net.transport import Handler, StreamPair, Transport
+from dedloc.net.transport import Handler, Refused, StreamPair, Transport, serve_stream
 
 logger = logging.getLogger(__name__)
 VERSION = 1
@@ -193,53 +193,52 @@ class DirectTCP:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, keys: RoundKeys) -> None:
         addr = writer.get_extra_info("peername")
-        claimed, budget, wrote_last = "an unnamed peer", None, False
-        try:
-            _tune(writer)
-            hello = await asyncio.wait_for(read_message(reader, MAX_HELLO), HELLO_WAIT)
-            if not isinstance(hello, dict) or hello.get("v") != VERSION:
-                raise ProtocolError(f"not a dedloc direct-connection hello (version {VERSION})")
-            r, p, f, t, n, m = (hello.get(k) for k in ("r", "p", "f", "t", "n", "m"))
-            if not (isinstance(r, bytes) and isinstance(p, str) and isinstance(f, str) and isinstance(t, str)
-                    and isinstance(n, bytes) and isinstance(m, bytes) and len(r) == 16 and len(n) == 16
-                    and len(f) <= 128):
-                raise ProtocolError("malformed hello")
-            claimed = f
-            if t != self.me:
-                raise ProtocolError(f"the hello is addressed to {t}, not to this peer")
-            handler = self._handlers.get(p)
-            if handler is None:
-                raise ProtocolError(f"this peer serves no {p!r} over direct connections")
-            found = await keys(r)
-            if found is None:
-                raise ProtocolError("unknown round (missed or expired)")
-            key, members = found
-            if f not in members:
-                raise ProtocolError(f"{f} is not a member of this round")
-            if not hmac.compare_digest(m, _mac(key, _HELLO, r, p, f, t, n)):
-                raise ProtocolError("the hello's MAC does not check with the round's key")
-            budget = self._limits.acquire(f)
-            if budget is None:
-                raise ProtocolError(f"too many direct connections from this peer ({self._limits.describe()})")
-            await write_message(writer, {"ok": _mac(key, _OK, n)})
-            wrote_last = bool(await handler(_Info(PeerID.from_base58(f), addr), reader, writer))
-        except ProtocolError as e:
-            self._warnings.warn(f"{claimed} tcp", f"refused a direct connection from {claimed} at {addr}: {e}")
+        handler: Handler | None = None
+
+        async def admit() -> tuple[Any, Callable[[], None]]:
+            nonlocal handler
+            claimed = "an unnamed peer"
             try:
-                await write_message(writer, {"refused": str(e)})
-                await wait_peer_closed(reader, HELLO_WAIT)
-            except Exception:
-                pass
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, ssl.SSLError) as e:
-            logger.debug(f"direct connection from {claimed} at {addr} ended early: {e!r}")
-        except Exception:
-            logger.exception(f"failed to serve a direct connection from {claimed} at {addr}")
-        finally:
-            if budget is not None:
-                self._limits.release(budget)
-            if wrote_last:
-                await wait_peer_closed(reader, CLOSE_WAIT)
-            writer.close()
+                _tune(writer)
+                hello = await asyncio.wait_for(read_message(reader, MAX_HELLO), HELLO_WAIT)
+                if not isinstance(hello, dict) or hello.get("v") != VERSION:
+                    raise ProtocolError(f"not a dedloc direct-connection hello (version {VERSION})")
+                r, p, f, t, n, m = (hello.get(k) for k in ("r", "p", "f", "t", "n", "m"))
+                if not (isinstance(r, bytes) and isinstance(p, str) and isinstance(f, str) and isinstance(t, str)
+                        and isinstance(n, bytes) and isinstance(m, bytes) and len(r) == 16 and len(n) == 16
+                        and len(f) <= 128):
+                    raise ProtocolError("malformed hello")
+                claimed = f
+                if t != self.me:
+                    raise ProtocolError(f"the hello is addressed to {t}, not to this peer")
+                handler = self._handlers.get(p)
+                if handler is None:
+                    raise ProtocolError(f"this peer serves no {p!r} over direct connections")
+                found = await keys(r)
+                if found is None:
+                    raise ProtocolError("unknown round (missed or expired)")
+                key, members = found
+                if f not in members:
+                    raise ProtocolError(f"{f} is not a member of this round")
+                if not hmac.compare_digest(m, _mac(key, _HELLO, r, p, f, t, n)):
+                    raise ProtocolError("the hello's MAC does not check with the round's key")
+                budget = self._limits.acquire(f)
+                if budget is None:
+                    raise ProtocolError(f"too many direct connections from this peer ({self._limits.describe()})")
+            except ProtocolError as e:
+                async def answer(why: str = str(e)) -> None:
+                    await write_message(writer, {"refused": why})
+                    await wait_peer_closed(reader, HELLO_WAIT)
+
+                raise Refused(claimed, f"{e} (connection from {addr[0] if addr else 'an unknown address'})",
+                              answer) from None
+            await write_message(writer, {"ok": _mac(key, _OK, n)})
+            return _Info(PeerID.from_base58(f), addr), lambda: self._limits.release(budget)
+
+        async def handle(info: Any, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> bool | None:
+            return await handler(info, r, w)
+
+        await serve_stream("direct", admit, handle, reader, writer, CLOSE_WAIT, self._warnings, logger)
 
     # ---- connecting ---------------------------------------------------------------------------------
     def usable(self, peer_id: str) -> bool:

@@ -12,6 +12,9 @@ Implementations:
   a libp2p fallback per pair (net/tcp.py).
 - :class:`LocalPairs` (here): in-process socket pairs, for tests of the round protocols.
 
+Every implementation serves an incoming stream through :func:`serve_stream` (admission, handler,
+close rule, the error ladder), so they cannot drift apart.
+
 Failure behaviour, for every implementation: ``open`` raises ConnectionError if the peer cannot be
 reached (or, for libp2p, Unauthorized / ProtocolError with the peer's reason if it refuses), and
 callers bound it with their own deadline.
@@ -20,11 +23,19 @@ callers bound it with their own deadline.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import ssl
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from dedloc.errors import ProtocolError
+from dedloc.logs import PerPeerWarnings
+from dedloc.net.rpc import wait_peer_closed
+
+logger = logging.getLogger(__name__)
+_warnings = PerPeerWarnings(logger)
 StreamPair = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool | None]]
 """``handler(info, reader, writer)``: ``info.peer_id`` is the authenticated remote peer (its
@@ -41,6 +52,57 @@ class Transport(ABC):
     @abstractmethod
     async def serve(self, protocol: str, handler: Handler) -> None:
         """Hand every incoming stream of ``protocol`` to ``handler``."""
+
+
+class Refused(Exception):
+    """An incoming stream that its transport's admission refused: ``answer()`` tells the peer why
+    (run after the refusal is logged)."""
+
+    def __init__(self, peer: str, reason: str, answer: Callable[[], Awaitable[None]] | None = None):
+        super().__init__(reason)
+        self.peer, self.answer = peer, answer
+
+
+Admit = Callable[[], Awaitable[tuple[Any, Callable[[], None]]]]
+"""A transport's admission of one incoming stream: reads its hello and checks membership and
+limits; returns (the handler's ``info``, a callback that releases the peer's budget), or raises
+Refused (or ProtocolError, ConnectionError: the peer sent nonsense or went away)."""
+
+
+async def serve_stream(what: str, admit: Admit, handler: Handler, reader: asyncio.StreamReader,
+                       writer: asyncio.StreamWriter, close_wait: float, warnings: PerPeerWarnings,
+                       log: logging.Logger) -> None:
+    """Serve one incoming stream the one way every transport does: admission, then the handler,
+    then the close rule (if the handler wrote last, wait, bounded, for the peer to close first).
+
+    A refusal or a protocol error is a WARNING naming the peer (rate-limited per peer), a peer that
+    went away is DEBUG, anything else is logged with its traceback; none escapes. The stream is
+    always closed and the peer's budget released."""
+    release: Callable[[], None] | None = None
+    peer, wrote_last = "an unnamed peer", False
+    try:
+        info, release = await admit()
+        peer = info.peer_id.to_base58()
+        wrote_last = bool(await handler(info, reader, writer))
+    except Refused as e:
+        warnings.warn(f"{e.peer} {what}", f"refused a {what} stream from {e.peer}: {e}")
+        if e.answer is not None:
+            try:
+                await e.answer()
+            except (ConnectionError, OSError, asyncio.TimeoutError):
+                pass
+    except ProtocolError as e:
+        warnings.warn(f"{peer} {what}", f"rejected a {what} stream from {peer}: {e}")
+    except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, ssl.SSLError) as e:
+        log.debug(f"{what} stream from {peer} ended early: {e!r}")
+    except Exception:
+        log.exception(f"failed to serve a {what} stream from {peer}")
+    finally:
+        if release is not None:
+            release()
+        if wrote_last:
+            await wait_peer_closed(reader, close_wait)
+        writer.close()
 
 
 @dataclass(frozen=True)
@@ -83,17 +145,10 @@ class LocalPairs:
     @staticmethod
     async def _serve(handler: Handler, caller: str, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:
-        from dedloc.net.rpc import wait_peer_closed
+        async def admit() -> tuple[Any, Callable[[], None]]:
+            return _LocalInfo(_LocalId(caller)), lambda: None
 
-        wrote_last = False
-        try:
-            wrote_last = bool(await handler(_LocalInfo(_LocalId(caller)), reader, writer))
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            if wrote_last:
-                await wait_peer_closed(reader, 30)
-            writer.close()
+        await serve_stream("local", admit, handler, reader, writer, 30.0, _warnings, logger)
 
     async def close(self, timeout: float = 30.0) -> None:
         """Let the streams being served finish (bounded), then cancel what is left."""
@@ -115,4 +170,4 @@ class _LocalTransport(Transport):
         self.pairs._handlers[(self.name, protocol)] = handler
 
 
-__all__ = ["Transport", "LocalPairs", "StreamPair", "Handler"]
+__all__ = ["Transport", "LocalPairs", "StreamPair", "Handler", "Refused", "serve_stream"]
