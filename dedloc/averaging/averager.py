@@ -15,11 +15,13 @@ dispatched to the round they name. Guarantees (beyond those of the rounds):
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from typing import Any, Callable, Protocol
 
 import torch
+from hivemind.utils.multiaddr import Multiaddr
 
 from dedloc.averaging.allreduce import PartitionedRound, RoundStats
 from dedloc.averaging.bounds import WeightBounds, weight_ok
@@ -32,6 +34,7 @@ from dedloc.averaging.wire import Header, Kind, read_header, read_payload_into, 
 from dedloc.config import AveragingConfig
 from dedloc.errors import AveragingError, ProtocolError
 from dedloc.net.node import Node
+from dedloc.net.reachability import observed_ip
 from dedloc.net.rpc import wait_peer_closed
 from dedloc.net.tcp import DirectTCP, RoundConnections
 from dedloc.net.transport import Handler, StreamPair, Transport
@@ -140,17 +143,17 @@ class Averager:
     async def _data_address(self) -> tuple[str, str] | None:
         """(address to bind, address to announce) for direct connections: the host the daemon listens
         on, announced as the address it announces (a non-loopback one if it has one)."""
-        def ip4(maddr: str) -> str | None:
-            parts = maddr.split("/")
-            return parts[2] if len(parts) > 2 and parts[1] == "ip4" and "p2p-circuit" not in parts else None
+        def ip4(maddr: str) -> ipaddress.IPv4Address | None:
+            ip = observed_ip(Multiaddr(maddr))
+            return ipaddress.IPv4Address(ip) if ip is not None and "." in ip else None
 
         bind = next((h for h in map(ip4, self.node.config.listen_maddrs()) if h), None)
-        seen = [h for h in map(ip4, await self.node.visible_maddrs()) if h and h != "0.0.0.0"]
+        seen = [h for h in map(ip4, await self.node.visible_maddrs()) if h and not h.is_unspecified]
         if bind is None or not seen:
             logger.info("no IPv4 address to announce for direct connections; round streams use libp2p")
             return None
-        outside = [h for h in seen if not h.startswith("127.")]
-        return bind, (outside or seen)[0]
+        outside = [h for h in seen if not h.is_loopback]
+        return str(bind), str((outside or seen)[0])
 
     async def _round_key(self, round_id: bytes) -> tuple[bytes, frozenset[str]] | None:
         """The secret and members of a round this peer serves (waiting briefly for it to start)."""

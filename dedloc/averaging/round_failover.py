@@ -54,15 +54,13 @@ class FailoverRole:
                 if await c.have[j]:
                     return  # we hold the failed aggregator's (verified) result: serve that copy
                 s, e = c.bounds[j]
-                if self.verifier.checks(j):  # a verified round: we recomputed the part already
-                    await self.verifier.settled_recompute(j)
-                    recomputed = self.verifier.recomputed(j)
-                    if recomputed is not None:
-                        c.output[s:e] = recomputed.out
-                        c.stats.part_weights[j] = recomputed.total_weight
-                        logger.info(f"{c.prefix()}: serving our recomputation of part {j} in place of aggregator "
-                                    f"{c.name(j)}'s result")
-                        return
+                recomputed = await self.verifier.recomputation(j)  # a verified round: we hold the part already
+                if recomputed is not None:
+                    c.output[s:e] = recomputed.out
+                    c.stats.part_weights[j] = recomputed.total_weight
+                    logger.info(f"{c.prefix()}: serving our recomputation of part {j} in place of aggregator "
+                                f"{c.name(j)}'s result")
+                    return
                 if c.weight > 0:
                     state.acc.add(c.me, c.weight, c.local[s:e])
                 await state.acc.wait(c.failover_deadline)

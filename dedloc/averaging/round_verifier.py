@@ -108,7 +108,8 @@ class VerifierRole:
         if not torch.equal(ours, theirs):
             eps = 2 * torch.finfo(c.wire_dtype).eps
             err = (ours - theirs).abs_()
-            tol = ours.abs().add_(ours.abs().mean()).mul_(eps)
+            size = ours.abs()
+            tol = size.add_(size.mean()).mul_(eps)
             if not bool((err <= tol).all()):
                 return f"its values differ from the recomputation by up to {float(err.max()):.3g}"
             logger.debug(f"{c.prefix()}: part {j} matched its recomputation within rounding, not bit for bit")
@@ -116,16 +117,14 @@ class VerifierRole:
         self.settle(j)
         return None
 
-    async def settled_recompute(self, j: int) -> None:
-        """Wait until the recomputation of part ``j`` is finished or failed (the reduce deadline at the latest)."""
-        await self._checks[j].part.done.wait()
-
-    def recomputed(self, j: int) -> StreamedPart | None:
-        """The finished recomputation of part ``j`` (a failover serves it), if there is one."""
+    async def recomputation(self, j: int) -> StreamedPart | None:
+        """This member's recomputation of part ``j`` once it has finished (by the reduce deadline at
+        the latest): a failover serves it. None if this member does not check ``j`` or it failed."""
         check = self._checks.get(j)
-        if check is None or not check.part.done.is_set() or check.part.failed is not None:
+        if check is None:
             return None
-        return check.part
+        await check.part.done.wait()
+        return check.part if check.part.failed is None else None
 
     def settle(self, j: int, error: str | None = None) -> None:
         """This member's copy of part ``j`` is final (the output holds it), or there is none (``error``)."""
