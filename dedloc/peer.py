@@ -171,6 +171,11 @@ class Peer:
         through a relay, e.g. after hole punching)."""
         return self.runtime.call("connections")
 
+    def stream_counts(self) -> dict[str, int]:
+        """How many streams outside rounds (state downloads, probes) this peer opened over direct
+        connections (``direct``) and over libp2p (``libp2p``, the fallback)."""
+        return self.runtime.call("stream_counts")
+
     def capabilities(self) -> dict[str, Any]:
         """Everyone's capability records as read now (``peers``: id -> record) and the last plan
         this peer made as a round's leader (``plan``: peers, shares, strategy, predicted_s)."""

@@ -18,7 +18,9 @@ from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import ConfigError, DedlocError
 from dedloc.net import rpc
 from dedloc.net.node import Node
+from dedloc.net.peer_connections import PeerConnections
 from dedloc.net.runtime import SharedBuffer
+from dedloc.net.tcp import DirectTCP
 from dedloc.planning.planner import Planner
 from dedloc.records import ProgressRecord
 from dedloc.state.transfer import StateServer
@@ -30,10 +32,11 @@ DRAIN_TIMEOUT = 10.0
 class PeerService:
     PUBLIC = frozenset({"info", "publish_progress", "read_progress", "register_buffer", "average", "ping",
                         "closed_round", "report", "offer_state", "download_state", "leave", "probe",
-                        "capabilities", "reconfigure", "pending_numel", "connections"})
+                        "capabilities", "reconfigure", "pending_numel", "connections", "stream_counts"})
 
-    def __init__(self, node: Node, averager: Averager, states: StateServer, planner: Planner):
-        self.node, self.averager, self.states, self.planner = node, averager, states, planner
+    def __init__(self, node: Node, averager: Averager, states: StateServer, planner: Planner,
+                 peers: PeerConnections):
+        self.node, self.averager, self.states, self.planner, self.peers = node, averager, states, planner, peers
         self.buffers: dict[str, SharedBuffer] = {}
         self._progress: tuple[dict[str, Any], float] | None = None
         """The last progress record published (and its ttl), kept alive while a download blocks."""
@@ -41,22 +44,28 @@ class PeerService:
     @classmethod
     async def create(cls, peer_config: PeerConfig, averaging_config: AveragingConfig) -> "PeerService":
         node = await Node.create(peer_config)
-        planner = Planner(node, averaging_config)
+        me, cfg = node.peer_id.to_base58(), averaging_config
+        tcp = DirectTCP(me, cfg.encryption) if cfg.transport != "libp2p" else None
+        peers = PeerConnections(node.streams, tcp, peer_config.run_id, cfg.encryption)
+        planner = Planner(node, cfg, peers)
         try:
-            averager = Averager(node, averaging_config, planner.shares, planner.observe_round)
-            await averager.start()
-            states = StateServer(node)
+            averager = Averager(node, cfg, tcp, planner.shares, planner.observe_round)
+            await averager.start()  # starts tcp's listener
+            await peers.start()
+            states = StateServer(node, peers)
             await states.start()
             await planner.start()
         except BaseException:
             await planner.close()
+            if tcp is not None:
+                await tcp.close()
             await node.shutdown()
             raise
         how = node.reachability
         mode = "client mode" if peer_config.client_mode else \
             f"public: {how.how}" if how.public else f"private ({how.how}): reached through relays and hole punching"
         logger.info(f"joined run {peer_config.run_id!r} as {node.peer_id.to_base58()} ({mode})")
-        return cls(node, averager, states, planner)
+        return cls(node, averager, states, planner, peers)
 
     async def info(self) -> dict[str, Any]:
         return {"peer_id": self.node.peer_id.to_base58(), "maddrs": await self.node.visible_maddrs(),
@@ -68,6 +77,10 @@ class PeerService:
         "addrs": the remote address of each}."""
         return {peer: {"direct": not all(map(rpc.relayed, addrs)), "addrs": addrs}
                 for peer, addrs in (await rpc.connections(self.node.p2p)).items()}
+
+    async def stream_counts(self) -> dict[str, int]:
+        """Streams this peer opened outside rounds (states, probes), by path: ``direct``, ``libp2p``."""
+        return dict(self.peers.counts)
 
     async def ping(self) -> float:
         return time.time()
@@ -177,6 +190,8 @@ class PeerService:
             await self.averager.drain(DRAIN_TIMEOUT)
         await self.averager.close()
         await self.planner.close()
+        if self.peers.tcp is not None:
+            await self.peers.tcp.close()
         for buf in self.buffers.values():
             buf.close()
         await self.node.shutdown()

@@ -57,13 +57,15 @@ def test_a_member_with_the_round_key_gets_a_stream(encryption):
 
 
 @pytest.mark.parametrize("case", ["wrong key", "not a member", "unknown round", "unserved protocol",
-                                  "wrong fingerprint", "plaintext refused", "closed port"])
+                                  "wrong fingerprint", "plaintext refused", "closed port", "another's grant",
+                                  "grant for another protocol", "expired grant", "replaced grant"])
 def test_every_bad_connection_is_refused_by_name_and_the_pair_falls_back(case, caplog):
     """Each failure raises ConnectionError naming it, before any payload, and the client stops
     trying that peer directly for a while (the averager then uses libp2p)."""
+    me = C if case in ("not a member", "another's grant") else A
+
     async def main():
         server, endpoint, served = await echo_server(encryption=case != "plaintext refused", members=(A, B))
-        me = C if case == "not a member" else A
         client = DirectTCP(me)
         key, rid, ep, proto = KEY, ROUND, endpoint, PROTO
         if case == "wrong key":
@@ -76,6 +78,11 @@ def test_every_bad_connection_is_refused_by_name_and_the_pair_falls_back(case, c
             await server.close()
         elif case == "unserved protocol":
             proto = "dedloc.test.state"
+        elif "grant" in case:  # a grant outside rounds (net/peer_connections.py), for A
+            protocols = frozenset({"dedloc.test.probe"} if case == "grant for another protocol" else {PROTO})
+            rid, key = server.grant(A, protocols, 0.0 if case == "expired grant" else 60.0)
+            if case == "replaced grant":
+                server.grant(A, protocols, 60.0)
         try:
             with pytest.raises(ConnectionError) as err:
                 await client.open(B, proto, ep, rid, key, require_encryption=True)
@@ -91,10 +98,12 @@ def test_every_bad_connection_is_refused_by_name_and_the_pair_falls_back(case, c
                 "unknown round": "unknown round", "unserved protocol": "serves no 'dedloc.test.state'",
                 "wrong fingerprint": "certificate is not the one its group names",
                 "plaintext refused": "plaintext and this round requires encryption",
-                "closed port": "cannot connect"}[case]
+                "closed port": "cannot connect", "another's grant": f"{C} is not a member of this round (or the holder",
+                "grant for another protocol": f"the grant does not cover {PROTO!r}",
+                "expired grant": "the grant has expired", "replaced grant": "unknown round or grant"}[case]
     assert expected in why, why
-    if case in ("wrong key", "not a member", "unknown round", "unserved protocol"):  # the server names it too
-        assert f"refused a direct stream from {C if case == 'not a member' else A}: " in caplog.text
+    if case not in ("wrong fingerprint", "plaintext refused", "closed port"):  # the server names it too
+        assert f"refused a direct stream from {me}: " in caplog.text
 
 
 def test_garbage_and_silence_are_refused_without_a_handler():
@@ -147,3 +156,17 @@ def test_rounds_go_direct_and_a_pair_that_cannot_falls_back_to_libp2p(make_peers
     assert stats[0]["streams"] == {"direct": 2, "libp2p": 2}, stats[0]
     assert stats[1]["streams"] == {"direct": 2, "libp2p": 2}, stats[1]
     assert stats[2]["streams"] == {"direct": 4, "libp2p": 0}, stats[2]
+
+    # states and probes take the same path, under a grant each peer asks for over libp2p
+    blob = bytes(range(256)) * 4096  # 1 MiB
+    for p in peers:
+        p.offer_state(5, blob)
+    ids = [p.peer_id for p in peers]
+    assert peers[1].download_state([ids[0]], 5, timeout=30) == (5, blob, ids[0])
+    assert peers[2].download_state([ids[0]], 5, timeout=30) == (5, blob, ids[0])
+    assert peers[0].download_state([ids[2]], 5, timeout=30) == (5, blob, ids[2])  # plaintext: over libp2p
+    result = peers[1].probe([ids[0]])
+    assert not result["failed"] and result["pushed"][ids[0]] > 0, result
+    assert peers[0].stream_counts() == {"direct": 0, "libp2p": 1}
+    assert peers[1].stream_counts() == {"direct": 3, "libp2p": 0}  # a state, a push and a pull
+    assert peers[2].stream_counts() == {"direct": 1, "libp2p": 0}

@@ -98,9 +98,11 @@ class _RoundStreams(Transport):
 class Averager:
     """One peer's averaging: call ``average`` once per step with that step's tensor."""
 
-    def __init__(self, node: Node, config: AveragingConfig, policy: SharePolicy | None = None,
-                 on_round: Callable[[RoundStats], None] | None = None):
-        """``policy`` sets the shares of rounds this peer leads (None: the members' declared shares);
+    def __init__(self, node: Node, config: AveragingConfig, tcp: DirectTCP | None = None,
+                 policy: SharePolicy | None = None, on_round: Callable[[RoundStats], None] | None = None):
+        """``tcp``: this peer's direct connections (None: round streams use libp2p only); the
+        averager starts its listener, which admits rounds' members, and the caller closes it.
+        ``policy`` sets the shares of rounds this peer leads (None: the members' declared shares);
         ``on_round(stats)`` is told what each round (or subround) sent and received, for bandwidth
         estimates."""
         self.node, self.config = node, config.validate()
@@ -122,7 +124,7 @@ class Averager:
         self._reporters: set[asyncio.Task] = set()
         """Passive measurements waiting for their round to finish sending (bounded by its deadline)."""
         self._libp2p = _RoundStreams(node.streams)
-        self.tcp: DirectTCP | None = None
+        self.tcp = tcp
         """Direct connections for round streams (None: libp2p streams only; net/tcp.py)."""
         self._keys: dict[bytes, tuple[bytes, frozenset[str]]] = {}
         """Per round served: its direct-connection secret and its members."""
@@ -131,9 +133,8 @@ class Averager:
         await self.matchmaker.start()
         if not self.node.config.client_mode:
             await self._libp2p.serve(self.proto, self._on_stream)
-        if self.config.transport == "libp2p":
+        if self.tcp is None:
             return
-        self.tcp = DirectTCP(self.me, self.config.encryption)
         where = await self._data_address() if self.node.reachable else None
         if where is not None:
             await self.tcp.serve(self.proto, self._on_stream)
@@ -191,13 +192,11 @@ class Averager:
             rnd.close()
 
     async def close(self) -> None:
-        """Close every round still registered (at shutdown, after drain) and the direct connections."""
+        """Close every round still registered (at shutdown, after drain)."""
         for round_id in list(self._rounds):
             self._expire(round_id)
         for task in self._reporters:
             task.cancel()
-        if self.tcp is not None:
-            await self.tcp.close()
 
     async def _lookup(self, round_id: bytes, wait: float) -> _Round | None:
         if round_id not in self._rounds:

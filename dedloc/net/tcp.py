@@ -12,6 +12,11 @@ one it serves, that ``f`` is a member and ``t`` is itself, and the MAC (which co
 (logged with the claimed peer id). Only a member of the round can open a stream; a member could
 claim another member's id (it knows the key), which gains it nothing it could not send as itself.
 
+Streams outside rounds (state transfer, probes) are admitted the same way under a **grant**: a
+secret this peer draws for one peer and a set of protocols, handed to it over an authenticated
+libp2p stream, valid ``GRANT_TTL`` seconds (net/peer_connections.py); its id takes the round id's
+place in the hello.
+
 **Encryption.** By default every connection is TLS 1.3. Each peer makes a throwaway self-signed
 certificate when it starts, and publishes its SHA-256 fingerprint with its data endpoint in its
 join request, so the group pins it: the client compares the server's certificate with the
@@ -71,6 +76,8 @@ CLOSE_WAIT = 60.0
 MAX_CONNECTIONS_PER_PEER = 64
 RATE_PER_PEER = 100.0
 BURST_PER_PEER = 400.0
+GRANT_TTL = 120.0
+"""How long a grant (net/peer_connections.py) admits its peer's connections."""
 _HELLO, _OK = b"dedloc tcp hello\x00", b"dedloc tcp ok\x00"
 
 RoundKeys = Callable[[bytes], Awaitable["tuple[bytes, frozenset[str]] | None"]]
@@ -165,6 +172,8 @@ class DirectTCP:
         self._handlers: dict[str, Handler] = {}
         self._limits = PeerLimits(RATE_PER_PEER, BURST_PER_PEER, MAX_CONNECTIONS_PER_PEER)
         self._warnings = PerPeerWarnings(logger)
+        self._grants: dict[bytes, tuple[bytes, str, frozenset[str], float]] = {}
+        """Grants outside rounds: id -> (secret, peer, protocols, monotonic expiry); one per peer."""
 
     # ---- serving ------------------------------------------------------------------------------------
     async def serve(self, protocol: str, handler: Handler) -> None:
@@ -191,6 +200,33 @@ class DirectTCP:
                     f"announced as {self.endpoint.host}:{bound}")
         return self.endpoint
 
+    def grant(self, peer_id: str, protocols: frozenset[str], lifetime: float) -> tuple[bytes, bytes]:
+        """Admit ``peer_id``'s connections for ``protocols`` for ``lifetime`` seconds, outside any
+        round: (grant id, secret), to be handed to it over an authenticated channel. It replaces the
+        peer's previous grant, so there is at most one per peer."""
+        now = time.monotonic()
+        for gid, (_, peer, _, until) in list(self._grants.items()):
+            if peer == peer_id or until <= now:
+                del self._grants[gid]
+        grant_id, key = os.urandom(16), os.urandom(KEY_BYTES)
+        self._grants[grant_id] = (key, peer_id, protocols, now + lifetime)
+        return grant_id, key
+
+    async def _admission(self, r: bytes, p: str, keys: RoundKeys) -> tuple[bytes, frozenset[str]]:
+        """The secret and the admitted peers for round (or grant) ``r`` and protocol ``p``; raises
+        ProtocolError if there are none."""
+        granted = self._grants.get(r)
+        if granted is not None:
+            key, peer, protocols, until = granted
+            if until <= time.monotonic() or p not in protocols:
+                raise ProtocolError("the grant has expired" if until <= time.monotonic()
+                                    else f"the grant does not cover {p!r}")
+            return key, frozenset((peer,))
+        found = await keys(r)
+        if found is None:
+            raise ProtocolError("unknown round or grant (missed or expired)")
+        return found
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, keys: RoundKeys) -> None:
         addr = writer.get_extra_info("peername")
         handler: Handler | None = None
@@ -214,14 +250,11 @@ class DirectTCP:
                 handler = self._handlers.get(p)
                 if handler is None:
                     raise ProtocolError(f"this peer serves no {p!r} over direct connections")
-                found = await keys(r)
-                if found is None:
-                    raise ProtocolError("unknown round (missed or expired)")
-                key, members = found
+                key, members = await self._admission(r, p, keys)
                 if f not in members:
-                    raise ProtocolError(f"{f} is not a member of this round")
+                    raise ProtocolError(f"{f} is not a member of this round (or the holder of this grant)")
                 if not hmac.compare_digest(m, _mac(key, _HELLO, r, p, f, t, n)):
-                    raise ProtocolError("the hello's MAC does not check with the round's key")
+                    raise ProtocolError("the hello's MAC does not check with the round's (or grant's) key")
                 budget = self._limits.acquire(f)
                 if budget is None:
                     raise ProtocolError(f"too many direct connections from this peer ({self._limits.describe()})")
@@ -345,4 +378,4 @@ def _tune(writer: asyncio.StreamWriter) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-__all__ = ["DirectTCP", "Endpoint", "RoundConnections", "KEY_BYTES", "RETRY_AFTER_S"]
+__all__ = ["DirectTCP", "Endpoint", "RoundConnections", "KEY_BYTES", "RETRY_AFTER_S", "GRANT_TTL"]

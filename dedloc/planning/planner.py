@@ -28,6 +28,7 @@ from dedloc.errors import ConfigError
 from dedloc.net import rpc
 from dedloc.net.bulk import busy_seconds
 from dedloc.net.node import Node
+from dedloc.net.transport import Transport
 from dedloc.planning import lp
 from dedloc.planning.estimate import LinkEstimates
 from dedloc.planning.probe import ProbeResult, ProbeServer, probe
@@ -44,14 +45,15 @@ PAIR_LIMIT = 0.25
 
 
 class Planner:
-    def __init__(self, node: Node, config: AveragingConfig):
-        self.node, self.config = node, config
+    def __init__(self, node: Node, config: AveragingConfig, transport: Transport):
+        """``transport``: the path probes take (the one round streams take: net/peer_connections.py)."""
+        self.node, self.config, self.transport = node, config, transport
         self.me = node.peer_id.to_base58()
         up = config.upload_mbps * MBIT if config.upload_mbps is not None else None
         down = config.download_mbps * MBIT if config.download_mbps is not None else None
         self.links = LinkEstimates.create(up, down)
         self.samples_per_second = 0.0
-        self.server = ProbeServer(node)
+        self.server = ProbeServer(node, transport)
         self.snapshot: dict[str, CapabilityRecord] = {}
         self._snapshot_time = -1e9
         self._last: lp.Plan | None = None
@@ -104,7 +106,7 @@ class Planner:
         if not push_to and not pull_from:
             return None
         n = int(self.config.probe_mb * (1 << 20))
-        result = await probe(self.node, push_to, pull_from, n)
+        result = await probe(self.transport, self.node.config.run_id, push_to, pull_from, n)
         for peer, rate in result.pushed.items():
             self.links.observe_pair(peer, n, n / rate)
         if result.upload:

@@ -24,6 +24,7 @@ from dedloc.averaging.wire import VERSION
 from dedloc.errors import ProtocolError
 from dedloc.net import bulk, rpc
 from dedloc.net.node import Node
+from dedloc.net.transport import Transport
 
 logger = logging.getLogger(__name__)
 MAX_PROBE_BYTES = 64 << 20
@@ -91,14 +92,14 @@ def concurrent_rate(traces: list[Trace]) -> float | None:
 class ProbeServer:
     """Answers other peers' probes."""
 
-    def __init__(self, node: Node):
-        self.node = node
+    def __init__(self, node: Node, transport: Transport):
+        self.node, self.transport = node, transport
         self.proto = f"dedloc.{node.config.run_id}.probe"
         self._served = asyncio.Semaphore(MAX_SERVED)
 
     async def start(self) -> None:
         if not self.node.config.client_mode:
-            await self.node.streams.serve(self.proto, self._on_stream)
+            await self.transport.serve(self.proto, self._on_stream)
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         req = await asyncio.wait_for(rpc.read_message(reader), 10)
@@ -119,10 +120,10 @@ class ProbeServer:
         return False
 
 
-async def _one(node: Node, proto: str, peer: str, direction: str, n: int, trace: Trace,
+async def _one(transport: Transport, proto: str, peer: str, direction: str, n: int, trace: Trace,
                result: ProbeResult) -> float:
     """One probe stream; the seconds the receiving end timed."""
-    reader, writer = await node.streams.open(peer, proto)
+    reader, writer = await transport.open(peer, proto)
     try:
         await rpc.write_message(writer, {"v": VERSION, "dir": direction, "n": n})
         head = await rpc.read_message(reader)
@@ -140,15 +141,16 @@ async def _one(node: Node, proto: str, peer: str, direction: str, n: int, trace:
         writer.close()
 
 
-async def probe(node: Node, push_to: list[str], pull_from: list[str], nbytes: int,
+async def probe(transport: Transport, run_id: str, push_to: list[str], pull_from: list[str], nbytes: int,
                 timeout: float = 60.0) -> ProbeResult:
-    """Push ``nbytes`` to every peer of ``push_to`` at once, then pull as much from every peer of ``pull_from``."""
-    proto = f"dedloc.{node.config.run_id}.probe"
+    """Push ``nbytes`` to every peer of ``push_to`` at once, then pull as much from every peer of
+    ``pull_from``, over ``transport`` (the path round streams take: direct where granted)."""
+    proto = f"dedloc.{run_id}.probe"
     result = ProbeResult()
     for direction, rates, peers in (("push", result.pushed, push_to), ("pull", result.pulled, pull_from)):
         start = time.perf_counter()
         traces: list[Trace] = [[] for _ in peers]
-        outcomes = await asyncio.gather(*(asyncio.wait_for(_one(node, proto, p, direction, nbytes, tr, result),
+        outcomes = await asyncio.gather(*(asyncio.wait_for(_one(transport, proto, p, direction, nbytes, tr, result),
                                                            timeout)
                                           for p, tr in zip(peers, traces)), return_exceptions=True)
         wall = time.perf_counter() - start

@@ -1,6 +1,7 @@
 """Serving and downloading training states between peers (runs in the runtime process).
 
-Protocol ``dedloc.{run}.state``: the requester sends ``{"v", "min_step"}`` (msgpack, as in
+Protocol ``dedloc.{run}.state``, over a direct connection where the donor grants one, else a
+libp2p stream (net/peer_connections.py): the requester sends ``{"v", "min_step"}`` (msgpack, as in
 net/rpc.py); the donor answers ``{"step", "size"}`` then ``size`` raw bytes paced by the
 requester's credits (net/bulk.py, as every bulk payload), or ``{"busy"}`` / ``{"error"}``. Guarantees:
 - a donor serves at most ``max_uploads`` requesters at once and answers ``busy`` beyond that, so
@@ -30,6 +31,7 @@ from dedloc.averaging.wire import VERSION
 from dedloc.errors import ProtocolError, StateError
 from dedloc.net import bulk, rpc
 from dedloc.net.node import Node
+from dedloc.net.transport import Transport
 
 logger = logging.getLogger(__name__)
 UPLOAD_GRACE = 300.0
@@ -72,8 +74,10 @@ class _Cached:
 
 
 class StateServer:
-    def __init__(self, node: Node, max_uploads: int = 2):
-        self.node = node
+    def __init__(self, node: Node, transport: Transport, max_uploads: int = 2):
+        """``transport``: how states travel (net/peer_connections.py: direct TCP where the donor
+        offers it, else libp2p)."""
+        self.node, self.transport = node, transport
         self.proto = f"dedloc.{node.config.run_id}.state"
         self.cached: _Cached | None = None
         self.training_step = -1
@@ -85,7 +89,7 @@ class StateServer:
 
     async def start(self) -> None:
         if not self.node.config.client_mode:
-            await self.node.streams.serve(self.proto, self._on_stream, close_wait=UPLOAD_GRACE)
+            await self.transport.serve(self.proto, self._on_stream)
 
     async def offer(self, step: int, blob: bytes) -> None:
         async with self._offered:
@@ -157,7 +161,7 @@ class StateServer:
     async def _download_from(self, donor: str, min_step: int, deadline: float, limit: int) -> tuple[int, bytes]:
         header_by = min(deadline, time.monotonic() + HEADER_WAIT)
         reader, writer = await asyncio.wait_for(
-            self.node.streams.open(donor, self.proto),
+            self.transport.open(donor, self.proto),
             max(0.1, header_by - time.monotonic()))
         try:
             await rpc.write_message(writer, {"v": VERSION, "min_step": min_step})
