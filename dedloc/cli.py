@@ -92,7 +92,7 @@ def _recipe_named(argv: list[str] | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dedloc.config import PUBLIC_HOST_MADDRS, AveragingConfig, BackboneConfig, PeerConfig
+    from dedloc.config import PUBLIC_HOST_MADDRS, AveragingConfig, BackboneConfig, MonitorConfig, PeerConfig
     from dedloc.data.mlm import DataConfig
     from dedloc.data.tokenizer import TokenizerConfig
     from dedloc.demo.collab import DemoConfig
@@ -135,6 +135,14 @@ def main(argv: list[str] | None = None) -> int:
                                                    "trains nothing (BytePS-style help from a CPU box)")
     add_fields(aggregator, PeerConfig, skip=("client_mode",))
     add_fields(aggregator, AveragingConfig, skip=("aggregator_only",))
+    monitor = sub.add_parser("monitor", help="serve the run's live dashboard (web page, /api/state, /metrics); "
+                                             "joins as a client-mode peer that trains nothing")
+    add_fields(monitor, PeerConfig, skip=("client_mode",))
+    add_fields(monitor, MonitorConfig)
+    ledger = sub.add_parser("ledger", help="print a backbone's contribution ledger (CHECKPOINT_DIR/ledger.json) "
+                                           "as CSV or JSON")
+    ledger.add_argument("path", help="the ledger file, or the backbone's checkpoint directory")
+    ledger.add_argument("--format", choices=("csv", "json"), default="csv")
     run = sub.add_parser("run", help="owner: create an invite-only run (`dedloc run init`)")
     run_sub = run.add_subparsers(dest="run_command", required=True)
     init = run_sub.add_parser("init", help="make the owner key and run.json in --dir, print the flags peers join with")
@@ -211,6 +219,20 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "backbone":
             return _backbone(from_args(PeerConfig, args, skip=("client_mode",)), from_args(BackboneConfig, args))
+        if args.command == "ledger":
+            from dedloc.monitor.ledger import Ledger
+
+            path = os.path.join(args.path, "ledger.json") if os.path.isdir(args.path) else args.path
+            if not os.path.exists(path):
+                raise DedlocError(f"no ledger at {path}")
+            try:
+                book = Ledger.load(path)
+            except ValueError as e:
+                raise DedlocError(str(e)) from None
+            print(book.to_csv() if args.format == "csv" else json.dumps(book.table(), indent=1) + "\n", end="")
+            return 0
+        if args.command == "monitor":
+            return _monitor(from_args(PeerConfig, args, skip=("client_mode",)), from_args(MonitorConfig, args))
         if args.command == "aggregator":
             return _aggregator(from_args(PeerConfig, args, skip=("client_mode",)),
                                from_args(AveragingConfig, args, skip=("aggregator_only",)))
@@ -233,6 +255,12 @@ def _backbone(peer_config, backbone_config) -> int:
     from dedloc.roles.backbone import Backbone
 
     return _serve(lambda: Backbone(peer_config, backbone_config), "backbone", peer_config.log_level)
+
+
+def _monitor(peer_config, monitor_config) -> int:
+    from dedloc.roles.monitor import Monitor
+
+    return _serve(lambda: Monitor(peer_config, monitor_config), "monitor", peer_config.log_level)
 
 
 def _aggregator(peer_config, averaging_config) -> int:

@@ -79,6 +79,11 @@ class PeerConfig:
     progress_ttl: float = 30.0
     """Seconds a published progress record stays valid."""
     log_level: str = "INFO"
+    metrics_port: int = -1
+    """Serve this peer's Prometheus metrics on this port (monitor/peer_metrics.py) and the p2p
+    daemon's on the next one (-1: none)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics are served on (loopback unless told otherwise)."""
 
     def listen_maddrs(self) -> tuple[str, ...]:
         """``host_maddrs``, or the default chosen from where the initial peers are."""
@@ -104,6 +109,8 @@ class PeerConfig:
             owner_public_key(self.owner)
         _check(self.startup_timeout > 0, "startup_timeout", "must be > 0")
         _check(self.progress_ttl > 0, "progress_ttl", "must be > 0")
+        _check(self.metrics_port == -1 or 0 < self.metrics_port < 65535, "metrics_port",
+               "must be -1 (none) or a port below 65535 (the daemon's metrics take the next one)")
         _check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                "must be DEBUG, INFO, WARNING or ERROR")
         return self
@@ -229,11 +236,39 @@ class BackboneConfig:
     """How many of the newest checkpoints to keep."""
     resume: bool = True
     """Load the newest checkpoint at start and serve it (resuming a stopped collaboration)."""
+    dashboard_port: int = -1
+    """Serve the run's dashboard on this port (``dedloc monitor``'s page; 0: any free port; -1: none)."""
+    ledger: str = "ledger.json"
+    """The contribution ledger's file, in checkpoint_dir (monitor/ledger.py); kept across restarts."""
 
     def validate(self) -> "BackboneConfig":
         _check(bool(self.checkpoint_dir), "checkpoint_dir", "must be a path")
         _check(self.checkpoint_interval > 0, "checkpoint_interval", "must be > 0")
         _check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+        _check(-1 <= self.dashboard_port < 65536, "dashboard_port", "must be -1 (none), 0 (any) or a port")
+        _check(bool(self.ledger) and "/" not in self.ledger, "ledger", "must be a file name")
+        return self
+
+
+@dataclass
+class MonitorConfig:
+    """The dashboard (``dedloc monitor``, a backbone's or the demo's): a read-only web page, /api/state, /metrics."""
+
+    port: int = 8080
+    """Port of the web page, /api/state and /metrics."""
+    bind: str = "127.0.0.1"
+    """Address to serve on: loopback unless told otherwise (the page is read-only, but it names every peer)."""
+    poll_interval: float = 2.0
+    """Seconds between two readings of the run's records."""
+    tensorboard_dir: str = ""
+    """Also write the collaboration's loss, samples/s and peers as TensorBoard events here (needs tensorboard)."""
+    wandb_project: str = ""
+    """Also log them to this Weights & Biases project (needs wandb and its login)."""
+
+    def validate(self) -> "MonitorConfig":
+        _check(0 <= self.port < 65536, "port", "must be 0 (any free port) to 65535")
+        _check(self.poll_interval > 0, "poll_interval", "must be > 0")
+        _check(bool(self.bind), "bind", "must name an address")
         return self
 
 

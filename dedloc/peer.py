@@ -171,6 +171,15 @@ class Peer:
         through a relay, e.g. after hole punching)."""
         return self.runtime.call("connections")
 
+    def read_records(self, names: list[str]) -> dict[str, dict[str, Any]]:
+        """The run's raw DHT records under ``names`` (``progress``, ``caps``, ``rounds``, ``ledger``):
+        name -> {peer id: value}. Validate them with the record types of dedloc.records."""
+        return self.runtime.call("read_records", list(names))
+
+    def publish_record(self, name: str, value: Any, ttl: float) -> bool:
+        """Store ``value`` under this peer's subkey of record ``name`` (only ``ledger``)."""
+        return self.runtime.call("publish_record", name, value, ttl)
+
     def stream_counts(self) -> dict[str, int]:
         """How many streams outside rounds (state downloads, probes) this peer opened over direct
         connections (``direct``) and over libp2p (``libp2p``, the fallback)."""

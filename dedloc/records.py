@@ -58,6 +58,14 @@ class ProgressRecord:
     """When this peer expects to finish the micro-batch it is computing (0: idle)."""
     fingerprint: str = ""
     """``"<applied step>:<hash of parameters>"``; peers at the same applied step must agree."""
+    loss: float = 0.0
+    """This peer's mean training loss over ``loss_samples`` samples of global step ``loss_step``
+    (its last finished step; ``loss_samples`` 0: none yet). The monitor pools these per step."""
+    loss_step: int = -1
+    loss_samples: int = 0
+    resyncs: int = 0
+    """State downloads this peer made to rejoin (its optimizer's count since it started)."""
+    catchups: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
@@ -71,12 +79,17 @@ class ProgressRecord:
             rec = cls(peer_id=peer_id, step=int(obj["step"]), samples=int(obj["samples"]),
                       samples_per_second=float(obj["samples_per_second"]), role=Role(obj["role"]),
                       bandwidth=float(obj.get("bandwidth", 0.0)), time=float(obj.get("time", 0.0)),
-                      busy_until=float(obj.get("busy_until", 0.0)), fingerprint=str(obj.get("fingerprint", "")))
+                      busy_until=float(obj.get("busy_until", 0.0)), fingerprint=str(obj.get("fingerprint", "")),
+                      loss=float(obj.get("loss", 0.0)), loss_step=int(obj.get("loss_step", -1)),
+                      loss_samples=int(obj.get("loss_samples", 0)), resyncs=int(obj.get("resyncs", 0)),
+                      catchups=int(obj.get("catchups", 0)))
         except (KeyError, TypeError, ValueError, AttributeError):
             logger.debug(f"ignoring malformed progress record from {peer_id}")
             return None
-        numbers = (rec.samples_per_second, rec.bandwidth, rec.time, rec.busy_until)
-        if rec.step < 0 or rec.samples < 0 or not all(math.isfinite(x) and x >= 0 for x in numbers):
+        numbers = (rec.samples_per_second, rec.bandwidth, rec.time, rec.busy_until, rec.loss)
+        if rec.step < 0 or rec.samples < 0 or rec.loss_samples < 0 or rec.loss_step < -1 or rec.resyncs < 0 \
+                or rec.catchups < 0 \
+                or not all(math.isfinite(x) and x >= 0 for x in numbers):
             logger.debug(f"ignoring out-of-range progress record from {peer_id}")
             return None
         return rec
@@ -291,3 +304,90 @@ class ClosedRecord:
             return cls(leader, tuple(obj))
         logger.debug(f"ignoring malformed closed record of {leader}")
         return None
+
+
+MAX_REPORTED_ROUNDS = 4
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What one member says of one averaging round it finished (``{run}.rounds``, under its own
+    subkey, its last ``MAX_REPORTED_ROUNDS`` rounds), for the monitor's plan and recent rounds."""
+
+    reporter: str
+    round_id: str
+    """Hex; members of one round report the same id."""
+    step: int
+    peers: tuple[str, ...]
+    shares: tuple[float, ...]
+    strategy: str
+    seconds: float
+    """This member's all-reduce time (from its group's start to having its result)."""
+    matchmaking_s: float
+    failovers: int
+    predicted_s: float = 0.0
+    """The all-reduce time its leader's plan predicted (only when this member made the plan; 0: not known)."""
+    time: float = 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"r": self.round_id, "s": self.step, "p": list(self.peers), "h": list(self.shares),
+                "g": self.strategy, "d": self.seconds, "m": self.matchmaking_s, "f": self.failovers,
+                "e": self.predicted_s, "t": self.time}
+
+    @classmethod
+    def from_wire(cls, reporter: str, obj: Any) -> "RoundReport | None":
+        try:
+            peers, shares = obj["p"], obj["h"]
+            if not (isinstance(peers, list) and isinstance(shares, list) and len(peers) == len(shares) <= MAX_MEMBERS
+                    and all(isinstance(p, str) for p in peers)):
+                raise ValueError("malformed member lists")
+            rec = cls(reporter, str(obj["r"])[:64], int(obj["s"]), tuple(peers), tuple(float(x) for x in shares),
+                      str(obj["g"])[:32], float(obj["d"]), float(obj["m"]), int(obj["f"]), float(obj.get("e", 0.0)),
+                      float(obj.get("t", 0.0)))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            logger.debug(f"ignoring malformed round report from {reporter}")
+            return None
+        numbers = (rec.seconds, rec.matchmaking_s, rec.predicted_s, rec.time, *rec.shares)
+        if rec.step < 0 or rec.failovers < 0 or not all(math.isfinite(x) and x >= 0 for x in numbers):
+            logger.debug(f"ignoring out-of-range round report from {reporter}")
+            return None
+        return rec
+
+    @classmethod
+    def list_from_wire(cls, reporter: str, obj: Any) -> list["RoundReport"]:
+        """The reports in one member's record (malformed ones skipped)."""
+        if not isinstance(obj, list):
+            return []
+        return [r for o in obj[:MAX_REPORTED_ROUNDS] if (r := cls.from_wire(reporter, o)) is not None]
+
+
+@dataclass(frozen=True)
+class CreditRecord:
+    """What one aggregator credited each contributor with since it started (``{run}.credits``,
+    under its own subkey): for every round, each contributor it reduced into its part gets that
+    part's fraction of the vector times the weight (samples) it was reduced with, and the same
+    fraction of a round. Over a round's aggregators the fractions add up to 1, so a contributor's
+    credits add up to its samples and its rounds. ``incarnation``: a random id per start of the
+    aggregator, whose totals restart from 0 (the ledger keeps each incarnation's last totals)."""
+
+    aggregator: str
+    incarnation: str
+    totals: dict[str, tuple[float, float, int]]
+    """Contributor -> (samples, rounds, last step)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"i": self.incarnation, "c": {p: list(v) for p, v in self.totals.items()}}
+
+    @classmethod
+    def from_wire(cls, aggregator: str, obj: Any) -> "CreditRecord | None":
+        try:
+            totals = {str(p): (float(s), float(r), int(last)) for p, (s, r, last) in dict(obj["c"]).items()}
+            rec = cls(aggregator, str(obj["i"])[:32], totals)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            logger.debug(f"ignoring malformed credit record from {aggregator}")
+            return None
+        if len(totals) > MAX_MEMBERS or not all(weight_ok(s) and weight_ok(r) and last >= 0
+                                                for s, r, last in totals.values()):
+            logger.debug(f"ignoring out-of-range credit record from {aggregator}")
+            return None
+        return rec

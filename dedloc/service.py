@@ -7,37 +7,52 @@ names in ``PUBLIC`` can be called.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
 from dedloc.averaging.averager import Averager
 from dedloc.averaging.bounds import WeightBounds
+from dedloc.averaging.round_core import RoundStats
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import ConfigError, DedlocError
+from dedloc.monitor.peer_metrics import PeerMetrics
 from dedloc.net import rpc
 from dedloc.net.node import Node
 from dedloc.net.peer_connections import PeerConnections
 from dedloc.net.runtime import SharedBuffer
 from dedloc.net.tcp import DirectTCP
 from dedloc.planning.planner import Planner
-from dedloc.records import ProgressRecord
+from dedloc.records import MAX_REPORTED_ROUNDS, CreditRecord, ProgressRecord, RoundReport
 from dedloc.state.transfer import StateServer
 
 logger = logging.getLogger(__name__)
 DRAIN_TIMEOUT = 10.0
+ROUNDS_TTL = 600.0
+CREDITS_TTL = 3600.0
+"""A departed aggregator's credits stay readable this long (a backbone reads them every few seconds)."""
+MONITORED = frozenset({"progress", "caps", "rounds", "credits", "ledger"})
 
 
 class PeerService:
     PUBLIC = frozenset({"info", "publish_progress", "read_progress", "register_buffer", "average", "ping",
                         "closed_round", "report", "offer_state", "download_state", "leave", "probe",
-                        "capabilities", "reconfigure", "pending_numel", "connections", "stream_counts"})
+                        "capabilities", "reconfigure", "pending_numel", "connections", "stream_counts",
+                        "read_records", "publish_record"})
 
     def __init__(self, node: Node, averager: Averager, states: StateServer, planner: Planner,
-                 peers: PeerConnections):
+                 peers: PeerConnections, metrics: PeerMetrics):
         self.node, self.averager, self.states, self.planner, self.peers = node, averager, states, planner, peers
+        self.metrics = metrics
         self.buffers: dict[str, SharedBuffer] = {}
+        self._rounds: collections.deque[RoundReport] = collections.deque(maxlen=MAX_REPORTED_ROUNDS)
+        self._publishing: asyncio.Task | None = None
+        self._credits: dict[str, tuple[float, float, int]] = {}
+        """What this peer credited each contributor with as an aggregator (records.CreditRecord)."""
+        self._incarnation = os.urandom(8).hex()
         self._progress: tuple[dict[str, Any], float] | None = None
         """The last progress record published (and its ttl), kept alive while a download blocks."""
 
@@ -48,14 +63,23 @@ class PeerService:
         tcp = DirectTCP(me, cfg.encryption) if cfg.transport != "libp2p" else None
         peers = PeerConnections(node.streams, tcp, peer_config.run_id, cfg.encryption)
         planner = Planner(node, cfg, peers)
+        metrics = PeerMetrics()
+
+        def on_round(stats: RoundStats) -> None:
+            planner.observe_round(stats)
+            metrics.transfers(sum(t.nbytes for t in stats.sent), sum(t.nbytes for t in stats.received))
+
         try:
-            averager = Averager(node, cfg, tcp, planner.shares, planner.observe_round)
+            if peer_config.metrics_port > 0:
+                metrics.serve(peer_config.metrics_host, peer_config.metrics_port)
+            averager = Averager(node, cfg, tcp, planner.shares, on_round)
             await averager.start()  # starts tcp's listener
             await peers.start()
             states = StateServer(node, peers)
             await states.start()
             await planner.start()
         except BaseException:
+            metrics.close()
             await planner.close()
             if tcp is not None:
                 await tcp.close()
@@ -65,7 +89,7 @@ class PeerService:
         mode = "client mode" if peer_config.client_mode else \
             f"public: {how.how}" if how.public else f"private ({how.how}): reached through relays and hole punching"
         logger.info(f"joined run {peer_config.run_id!r} as {node.peer_id.to_base58()} ({mode})")
-        return cls(node, averager, states, planner, peers)
+        return cls(node, averager, states, planner, peers, metrics)
 
     async def info(self) -> dict[str, Any]:
         return {"peer_id": self.node.peer_id.to_base58(), "maddrs": await self.node.visible_maddrs(),
@@ -104,6 +128,7 @@ class PeerService:
         """Publish this peer's progress, then read everyone's; also says whether a newcomer wants our state."""
         self.states.training_step = int(record["step"])
         self.planner.samples_per_second = float(record.get("samples_per_second", 0.0))
+        self.metrics.progress(record)
         await self.publish_progress(record, ttl)
         return await self.read_progress(), self.states.wanted
 
@@ -124,7 +149,9 @@ class PeerService:
         state and fork from it)."""
         keepalive = asyncio.create_task(self._keep_visible())
         try:
-            return await self.states.download(donors, min_step, timeout, max_bytes)
+            found = await self.states.download(donors, min_step, timeout, max_bytes)
+            self.metrics.state_downloads.inc()
+            return found
         finally:
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)
@@ -151,8 +178,57 @@ class PeerService:
             raise DedlocError(f"unknown buffer {name!r}")
         if bounds is not None and not isinstance(bounds, WeightBounds):
             raise DedlocError(f"bounds must be WeightBounds, got {type(bounds).__name__}")
-        return await self.averager.average(self.buffers[name].tensor, step, weight, expected_peers, timeout,
-                                           gather_time, bounds)
+        stats = await self.averager.average(self.buffers[name].tensor, step, weight, expected_peers, timeout,
+                                            gather_time, bounds)
+        self._report_round(stats)
+        self.metrics.round(stats)
+        return stats
+
+    def _report_round(self, stats: dict[str, Any]) -> None:
+        """Add this round to this peer's round reports and, if it aggregated, to its credits
+        (records.RoundReport, records.CreditRecord); both are published in the background."""
+        plan = self.planner.last_plan
+        predicted = plan.predicted_s if plan is not None and set(plan.peer_ids) == set(stats["peers"]) else 0.0
+        self._rounds.append(RoundReport(
+            self.node.peer_id.to_base58(), stats.get("round_id", ""), stats["step"], tuple(stats["peers"]),
+            tuple(stats.get("shares", ())), str(stats.get("strategy", "")), stats.get("allreduce_s", 0.0),
+            stats.get("matchmaking_s", 0.0), stats["failovers"], predicted, time.time()))
+        fraction = stats.get("accepted_fraction", 0.0)
+        for peer, weight in stats.get("accepted", {}).items():
+            samples, rounds, _ = self._credits.get(peer, (0.0, 0.0, 0))
+            self._credits[peer] = (samples + fraction * weight, rounds + fraction, stats["step"])
+        if self._publishing is None or self._publishing.done():
+            self._publishing = asyncio.create_task(self._publish_rounds())
+
+    async def _publish_rounds(self) -> None:
+        """Store the reports and credits until the newest are stored (rounds that end meanwhile are included)."""
+        stored = None
+        me = self.node.peer_id.to_base58()
+        while self._rounds and self._rounds[-1] is not stored:
+            stored = self._rounds[-1]
+            try:
+                await self.node.store(self.node.key("rounds"), me, [r.to_wire() for r in reversed(self._rounds)],
+                                      ROUNDS_TTL)
+                if self._credits:
+                    await self.node.store(self.node.key("credits"), me,
+                                          CreditRecord(me, self._incarnation, dict(self._credits)).to_wire(),
+                                          CREDITS_TTL)
+            except Exception as e:
+                logger.debug(f"could not publish round reports: {e!r}")
+
+    async def read_records(self, names: list[str]) -> dict[str, dict[str, Any]]:
+        """The run's DHT records under each of ``names`` (``progress``, ``caps``, ``rounds``,
+        ``credits``, ``ledger``): name -> {subkey: value} (for the monitor's dashboard in a peer's process)."""
+        if not set(names) <= MONITORED:
+            raise DedlocError(f"only {sorted(MONITORED)} can be read, not {sorted(set(names) - MONITORED)}")
+        found = await asyncio.gather(*(self.node.get(self.node.key(n)) for n in names))
+        return {n: {k: v for k, (v, _) in f.items()} for n, f in zip(names, found)}
+
+    async def publish_record(self, name: str, value: Any, ttl: float) -> bool:
+        """Store ``value`` under this peer's subkey of the run's record ``name`` (only ``ledger``)."""
+        if name != "ledger":
+            raise DedlocError(f"only the ledger record can be published this way, not {name!r}")
+        return await self.node.store(self.node.key(name), self.node.peer_id.to_base58(), value, ttl)
 
     async def probe(self, peers: list[str] | None = None) -> dict[str, Any]:
         """Probe ``peers`` now (default: a few random ones) and publish the new estimates."""
@@ -188,12 +264,16 @@ class PeerService:
         Without ``drain`` (the training process died), stop at once: its peer id is free for a restart."""
         if drain:
             await self.averager.drain(DRAIN_TIMEOUT)
+        if self._publishing is not None:
+            self._publishing.cancel()
+            await asyncio.gather(self._publishing, return_exceptions=True)
         await self.averager.close()
         await self.planner.close()
         if self.peers.tcp is not None:
             await self.peers.tcp.close()
         for buf in self.buffers.values():
             buf.close()
+        self.metrics.close()
         await self.node.shutdown()
         logger.info(f"left the collaboration ({self.node.peer_id.to_base58()})")
 

@@ -288,7 +288,7 @@ class Averager:
         timeout = group.timeout or timeout  # the leader's: every member gives up on the round together
         t1 = time.perf_counter()
         me = group.index(self.me)
-        stats: dict[str, Any] = {"step": step, "group_size": len(group.members),
+        stats: dict[str, Any] = {"step": step, "group_size": len(group.members), "round_id": group.round_id.hex(),
                                  "peers": [m.peer_id for m in group.members], "failovers": 0, "excluded": {},
                                  "shares": [m.share for m in group.members], "strategy": group.strategy,
                                  "weights": [m.weight for m in group.members]}
@@ -314,7 +314,10 @@ class Averager:
             rnd = RingRound(group, me, tensor, weight, self._opener(group, stats), timeout, self.config.chunk_bytes)
             self._register(group.round_id, rnd, timeout + ROUND_GRACE, group)
             try:
-                return await rnd.run(), group.total_weight
+                out = await rnd.run()
+                stats["accepted"] = {m.peer_id: m.weight for m in group.members}  # each member reduces 1/n
+                stats["accepted_fraction"] = 1 / len(group.members)
+                return out, group.total_weight
             finally:
                 self._observed(rnd.stats, stats)
         if group.subgroups:
@@ -332,6 +335,8 @@ class Averager:
             stats["failovers"] += rnd.stats.failovers
             stats["verified"] = stats.get("verified", 0) + rnd.stats.verified
             stats["excluded"].update(rnd.stats.excluded)
+            if "accepted" not in stats:  # a hierarchical round: its subgroup's (whose contributors are peers)
+                stats["accepted"], stats["accepted_fraction"] = dict(rnd.stats.accepted), rnd.stats.accepted_fraction
             self._observed(rnd.stats, stats, rnd.served)
         weights = rnd.stats.part_weights
         total = min(weights.values()) if weights else weight

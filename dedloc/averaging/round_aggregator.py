@@ -90,6 +90,8 @@ class AggregatorRole:
                 failed = f"our backup {c.name(b)} did not verify our result ({self._refused})"
         if failed is None:
             c.stats.part_weights[c.me] = part.total_weight
+            c.stats.accepted = {c.name(k): part.weight_of(k) for k in part.contributors or ()}
+            c.stats.accepted_fraction = (e - s) / max(1, c.local.numel())
             c.have[c.me].set_result(True)
             return
         c.have[c.me].set_result(False)

@@ -37,6 +37,11 @@ class RoundStats:
         against their backup's digest."""
         self.excluded: dict[str, str] = {}
         self.part_weights: dict[int, float] = {}
+        self.accepted: dict[str, float] = {}
+        """Contributors to the part this member aggregated, with the weights it reduced them with
+        (the contribution ledger counts these, not what peers claim)."""
+        self.accepted_fraction = 0.0
+        """The fraction of the vector that part is."""
         self.sent: list[Transfer] = []
         """Every payload this member sent (credited), for passive upload measurement."""
         self.received: list[Transfer] = []

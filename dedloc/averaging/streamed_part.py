@@ -74,6 +74,10 @@ class StreamedPart:
         self._advance()
         return True
 
+    def weight_of(self, k: int) -> float:
+        """The weight contributor ``k`` was reduced with (0 if it contributed nothing)."""
+        return self._inputs[k][0] if k in self._inputs else 0.0
+
     def add_local(self, k: int, weight: float, data: torch.Tensor) -> None:
         """This aggregator's own contribution, whole."""
         if self.begin(k, weight, data):

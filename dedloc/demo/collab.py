@@ -44,6 +44,8 @@ class DemoConfig:
     out: str | None = _opt("write loss.png and summary.json (and the corpus, tokenizer and checkpoints) "
                            "into this directory", default=None)
     time_limit: float = _opt("give up after this many seconds", default=900.0)
+    dashboard_port: int = _opt("serve the run's dashboard (as `dedloc monitor` does) on this port of 127.0.0.1 "
+                               "(0: any free port, -1: none)", default=0)
     invite_only: bool = _opt("run invite-only: the demo is the run's owner (`dedloc run init` in OUT/run), invites "
                              "the backbone and every trainer by peer id, and each checks the others' invitations",
                              default=False)
@@ -53,6 +55,8 @@ class DemoConfig:
             raise ConfigError("invalid config: trainers must be >= 2")
         if self.steps < 1:
             raise ConfigError("invalid config: steps must be >= 1")
+        if not -1 <= self.dashboard_port < 65536:
+            raise ConfigError("invalid config: dashboard_port must be -1 (none), 0 (any free port) or a port")
         if self.slowdown < 0 or self.corpus_files < 1:
             raise ConfigError("invalid config: slowdown must be >= 0 and corpus_files >= 1")
         return self
@@ -151,8 +155,11 @@ def run(cfg: DemoConfig, recipe: MLMRecipe | None = None, log_level: str = "WARN
     ckpt_dir = workdir / "checkpoints"
     invite = _inviter(workdir, run_id) if cfg.invite_only else (lambda identity: {})
     backbone = Backbone(PeerConfig(run_id=run_id, log_level=log_level, **invite(workdir / "backbone.key")),
-                        BackboneConfig(checkpoint_dir=str(ckpt_dir), checkpoint_interval=5.0, resume=False),
+                        BackboneConfig(checkpoint_dir=str(ckpt_dir), checkpoint_interval=5.0, resume=False,
+                                       dashboard_port=cfg.dashboard_port),
                         AVERAGING)
+    if backbone.dashboard is not None:
+        console.print(f"dashboard: {backbone.dashboard.url}")
     stop = threading.Event()
     pulling = threading.Thread(target=backbone.run, args=(stop,), name="backbone", daemon=True)
     pulling.start()

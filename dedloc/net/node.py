@@ -168,7 +168,9 @@ class Node:
         relays = _one_address_each(config.relays or config.initial_peers)
         auto_relay = not config.client_mode and config.reachability != "public" and bool(relays)
         extra = _extra_args.set((RELAY_SERVICE_ARGS if config.relay_service else ("-relayService=0",)) +
-                                (("-relayDiscovery=0",) if auto_relay else ()))
+                                (("-relayDiscovery=0",) if auto_relay else ()) +
+                                ((f"-metricsAddr={config.metrics_host}:{config.metrics_port + 1}",)
+                                 if config.metrics_port > 0 else ()))
 
         # A relay is not forced public: then its large-limit relay service (started once AutoNAT finds
         # it public) replaces the tiny default one that this daemon build also starts. No daemon is

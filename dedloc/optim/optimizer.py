@@ -45,6 +45,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import enum
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -175,6 +176,8 @@ class CollaborativeOptimizer:
         """Progress reports the training loop waited for, and ones sent in the background."""
         self._last_end: float | None = None
         self._fingerprint = self._hash()
+        self._loss: tuple[int, float, int] = (-1, 0.0, 0)
+        """(step, mean loss, samples) of this peer's last finished step (note_loss)."""
         self._lineage = lineage.extend({}, self._fingerprint)
         """Fingerprints of the recent steps these parameters went through (travels with the state)."""
         self._closed = False
@@ -474,11 +477,18 @@ class CollaborativeOptimizer:
         return StepOutcome.SKIPPED if overflow else StepOutcome.STEPPED
 
     # ---- progress and sync -------------------------------------------------------------------------------
+    def note_loss(self, step: int, mean_loss: float, samples: int) -> None:
+        """This peer's mean training loss over its ``samples`` samples of global step ``step``,
+        published with its next progress record (the monitor pools it per step)."""
+        if samples > 0 and math.isfinite(mean_loss) and mean_loss >= 0:
+            self._loss = (step, mean_loss, samples)
+
     def _record(self, busy: bool) -> ProgressRecord:
         now = time.time()
+        loss_step, loss, loss_samples = self._loss
         return ProgressRecord(self.peer.peer_id, self.global_step, self.acc.samples, self._sps.value,
                               self.peer.role, 0.0, now, now + self._mb_time.value if busy else 0.0,
-                              self._fingerprint)
+                              self._fingerprint, loss, loss_step, loss_samples, self.resyncs, self.catchups)
 
     def _report(self, busy: bool) -> CollaborationView:
         """Publish this peer's progress and read everyone's, waiting for the DHT."""

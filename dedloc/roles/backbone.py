@@ -4,24 +4,29 @@ It keeps the DHT alive and serves as an initial peer; every ``checkpoint_interva
 newest state from a trainer (when the global step has advanced), writes it as a checkpoint and
 serves it to newcomers. Started with ``resume``, it loads its newest checkpoint and serves it,
 so a stopped collaboration continues from there. It never needs the model's code: states are
-opaque blobs to it.
+opaque blobs to it. It keeps the contribution ledger (monitor/ledger.py) next to its checkpoints,
+and can serve the run's dashboard (``dashboard_port``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 import threading
 import time
 
-from dedloc.config import AveragingConfig, BackboneConfig, PeerConfig
+from dedloc.config import AveragingConfig, BackboneConfig, MonitorConfig, PeerConfig
 from dedloc.errors import ConfigError, DedlocError
+from dedloc.monitor.ledger import Ledger
+from dedloc.monitor.server import DashboardThread
 from dedloc.peer import Peer
-from dedloc.records import CollaborationView, ProgressRecord, Role
+from dedloc.records import CollaborationView, CreditRecord, ProgressRecord, Role
 from dedloc.state.checkpoint import CheckpointStore
 
 logger = logging.getLogger(__name__)
+LEDGER_ROWS = 200
 
 
 class Backbone:
@@ -36,8 +41,17 @@ class Backbone:
         self.step = -1
         self.held_bytes: int | None = None
         """Size of the state this backbone holds and serves (None before its first)."""
-        self.peer = Peer(peer_config, averaging)
+        self.ledger_path = os.path.join(self.config.checkpoint_dir, self.config.ledger)
         try:
+            self.ledger = Ledger.load(self.ledger_path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.peer = Peer(peer_config, averaging)
+        self.dashboard: DashboardThread | None = None
+        try:
+            if self.config.dashboard_port >= 0:
+                self.dashboard = DashboardThread(self.peer.read_records, peer_config.run_id,
+                                                 MonitorConfig(port=self.config.dashboard_port))
             if self.config.resume and (found := self.store.latest()) is not None:
                 self.step, blob = found
                 self.held_bytes = len(blob)
@@ -45,7 +59,7 @@ class Backbone:
                 logger.info(f"resuming from checkpoint {self.store.path(self.step)} (step {self.step})")
             self.view = self._report()
         except BaseException:
-            self.peer.close()
+            self.close()
             raise
 
     @property
@@ -85,6 +99,25 @@ class Backbone:
         logger.info(f"checkpoint of step {step} from {donor} written to {path} ({len(blob) / 1e6:.1f} MB)")
         return True
 
+    def account(self) -> bool:
+        """Take the aggregators' newest credits into the contribution ledger (monitor/ledger.py),
+        save it next to the checkpoints if it changed, and publish its table (and the checkpoints
+        held) for monitors. True if the ledger changed."""
+        try:
+            raw = self.peer.read_records(["credits"])["credits"]
+        except DedlocError as e:
+            logger.debug(f"could not read the credits: {e}")
+            return False
+        changed = self.ledger.observe(r for p, v in raw.items() if (r := CreditRecord.from_wire(p, v)) is not None)
+        if changed:
+            self.ledger.save(self.ledger_path)
+        try:
+            self.peer.publish_record("ledger", {"table": self.ledger.table()[:LEDGER_ROWS],
+                                                "checkpoints": self.store.steps()}, self.peer.config.progress_ttl)
+        except DedlocError as e:
+            logger.debug(f"could not publish the ledger: {e}")
+        return changed
+
     def run(self, stop: threading.Event) -> None:
         """Pull and checkpoint every ``checkpoint_interval`` until ``stop`` is set; keeps the record alive."""
         next_pull = time.monotonic()
@@ -95,7 +128,10 @@ class Backbone:
                 next_pull = time.monotonic() + self.config.checkpoint_interval
             else:
                 self.view = self._report()
+            self.account()
             stop.wait(min(refresh, max(0.05, next_pull - time.monotonic())))
 
     def close(self) -> None:
+        if self.dashboard is not None:
+            self.dashboard.close()
         self.peer.close()

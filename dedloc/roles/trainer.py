@@ -181,6 +181,8 @@ class Trainer:
                     loss_sum, count = losses.pop(step, (0.0, 0))
                     record = opt.history[-1] if opt.history and not self.recipe.delay_updates else None
                     event = StepEvent(step, loss_sum, count, record.batch if record else None, opt.samples_per_second)
+                    if count:
+                        opt.note_loss(step, loss_sum / count, count)
                     self.losses.add(event)
                     self.position.save()
                     if on_step is not None:
