@@ -152,6 +152,8 @@ class CollaborativeTrainer(transformers.Trainer):
         # after the Trainer's flow callback (it counts micro-batches), before its progress and log printers
         self.callback_handler.callbacks.insert(1, _GlobalStepCallback(self))
         self._losses = [0.0, 0]
+        self._by_step: dict[int, list[float]] = {}
+        """Global step -> [sum of per-sample losses, samples] of this peer's micro-batches toward it."""
 
     def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
         values = list(super().set_initial_training_values(args, dataloader))
@@ -159,10 +161,18 @@ class CollaborativeTrainer(transformers.Trainer):
         return tuple(values)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None):
+        step = self.collaborative.global_step
         loss = super().training_step(model, inputs, num_items_in_batch)
-        self._step.batch_size = _batch_size(inputs)
-        self._losses[0] += float(loss.detach().float().item())
+        self._step.batch_size = n = _batch_size(inputs)
+        value = float(loss.detach().float().item())
+        self._losses[0] += value
         self._losses[1] += 1
+        acc = self._by_step.setdefault(step, [0.0, 0])
+        acc[0] += value * n
+        acc[1] += n
+        for done in [s for s in self._by_step if s < step]:  # published with the next progress record
+            total, count = self._by_step.pop(done)
+            self.collaborative.note_loss(done, total / count, count)
         return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
