@@ -269,3 +269,29 @@ def test_the_curves_go_to_tensorboard_once_each(tmp_path):
     assert scalars["collaboration/loss"] == [(1, 4.0), (2, 3.0), (3, 2.0)]
     assert scalars["collaboration/samples_per_second"] == [(3, 100.0), (4, 120.0)]
     assert scalars["collaboration/peers"] == [(3, 2.0), (4, 2.0)]
+
+
+def test_a_taken_port_is_a_clear_error_not_a_traceback():
+    import asyncio
+
+    from dedloc.config import MonitorConfig
+    from dedloc.errors import ConfigError
+    from dedloc.monitor.peer_metrics import PeerMetrics
+    from dedloc.monitor.server import Dashboard
+
+    async def read(names):
+        return {}
+
+    async def main():
+        first = Dashboard(read, "r", MonitorConfig(port=0))
+        await first.start()
+        try:
+            with pytest.raises(ConfigError, match=f"cannot serve the dashboard on 127.0.0.1:{first.port}"):
+                await Dashboard(read, "r", MonitorConfig(port=first.port)).start()
+            metrics = PeerMetrics()
+            with pytest.raises(ConfigError, match=f"cannot serve metrics on 127.0.0.1:{first.port}"):
+                metrics.serve("127.0.0.1", first.port)
+        finally:
+            await first.close()
+
+    asyncio.run(main())

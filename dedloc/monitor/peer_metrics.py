@@ -14,6 +14,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from dedloc.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 _SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -39,7 +41,10 @@ class PeerMetrics:
 
     def serve(self, host: str, port: int) -> None:
         """Serve ``/metrics`` on ``host:port`` (a thread of prometheus_client's)."""
-        self._server, _ = start_http_server(port, host, registry=self.registry)
+        try:
+            self._server, _ = start_http_server(port, host, registry=self.registry)
+        except OSError as e:
+            raise ConfigError(f"cannot serve metrics on {host}:{port} (metrics_port): {e.strerror or e}") from None
         logger.info(f"metrics on http://{host}:{port}/metrics (the daemon's on port {port + 1})")
 
     def progress(self, record: dict[str, Any]) -> None:

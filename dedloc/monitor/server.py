@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from dedloc.config import MonitorConfig
+from dedloc.errors import ConfigError
 from dedloc.monitor.collector import Collector, Read
 from dedloc.monitor.ledger import rows_csv
 from dedloc.monitor.sinks import Curves, make_sinks
@@ -111,7 +112,13 @@ class Dashboard:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.bind, self.config.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            await self._runner.cleanup()
+            self._runner = None
+            raise ConfigError(f"cannot serve the dashboard on {self.config.bind}:{self.config.port}: "
+                              f"{e.strerror or e}") from None
         self.port = site._server.sockets[0].getsockname()[1]  # the bound port when config.port is 0
         self._poller = asyncio.create_task(self.collector.run(on_poll=self.curves.update))
         logger.info(f"dashboard at {self.url} (read-only; bound to {self.config.bind})")
