@@ -50,10 +50,17 @@ def _until(what: str, check, timeout: float = 60.0):
     raise AssertionError(f"{what} did not happen within {timeout:.0f} s (last: {last!r})")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port_pair() -> int:
+    """A free port whose next port is free too (a peer's metrics, then its daemon's)."""
+    while True:
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 # ---- records and the ledger, without peers ---------------------------------------------------------
@@ -121,7 +128,7 @@ class Collab:
 
     def __init__(self, tmp_path):
         self.rid, self.ckpt = run_id(), tmp_path / "ckpt"
-        self.metrics_port = _free_port()  # and the next one, for the daemon's
+        self.metrics_port = _free_port_pair()  # and the next one, for the daemon's
         self.bb = Backbone(PeerConfig(run_id=self.rid, host_maddrs=("/ip4/127.0.0.1/tcp/0",)),
                            BackboneConfig(checkpoint_dir=str(self.ckpt), dashboard_port=0, resume=False))
         self.peers: list[Peer] = []

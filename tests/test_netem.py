@@ -84,13 +84,14 @@ def test_slow_links_pace_payloads_instead_of_losing_connections(tmp_path):
     """Unpaced, three concurrent 5 MB parts behind an 8 Mbit/s uplink queue ~15 s of data per
     connection, and the daemon's multiplexer resets connections whose keepalive waits over 10 s:
     parts fail over or rounds fail. Credit-paced payloads keep the queues short: the round is
-    exact on every member, with no failover."""
+    exact on every member, with no failover. The round runs on libp2p streams (the path relayed
+    and unreachable pairs take), where the multiplexer is; the first test covers direct connections."""
     net = Network(SLOW)
     peers = []
     try:
         peers = [DrivenPeer(net.exec_args(i), i, str(tmp_path)) for i in range(len(SLOW))]
         averaging = dict(matchmaking_time=3, averaging_timeout=200, probe_interval=0, planner="equal",
-                         replan_interval=600, probe_mb=3)
+                         replan_interval=600, probe_mb=3, transport="libp2p")
         first = peers[0].call(op="start", peer=dict(run_id="slowtest", host_maddrs=[f"/ip4/{net.ip(0)}/tcp/0"]),
                               averaging=averaging)
         for p in peers[1:]:
