@@ -245,8 +245,11 @@ def test_a_step_lost_by_every_member_is_skipped_by_all():
         # each survivor skipped step 2 itself, or took it skipped inside the other's state
         assert a["skipped"] + b["skipped"] >= 1
         common = set(a["prints"]) & set(b["prints"])
-        assert max(common) >= 6 and all(a["prints"][s] == b["prints"][s] for s in common), \
-            "the survivors' parameters differ at some step"
+        # both went on past the lost step 2 from one state: they share a later step, and agree at every
+        # step they share (with delayed updates a peer that stops at global step 6 may not have applied
+        # step 6 yet, and a peer that caught up by download skips the steps in between: 5 is shared)
+        assert max(common) >= 5 and all(a["prints"][s] == b["prints"][s] for s in common), \
+            ("the survivors' parameters differ at some step", sorted(a["prints"]), sorted(b["prints"]))
         for r in (a, b):
             for step, skipped in r["history"]:
                 if skipped and step + 1 in r["prints"] and step in r["prints"]:  # parameters as they were

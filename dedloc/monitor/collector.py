@@ -71,6 +71,8 @@ class Collector:
         if step >= 0:
             self.steps.append((now, step))
             self.step_times.setdefault(step, now)
+            for s in sorted(self.step_times)[:-MAX_POINTS]:
+                del self.step_times[s]
         self.speed.append((now, sum(r.samples_per_second for r in progress if r.role.trains)))
         for r in progress:
             if r.loss_samples > 0 and r.loss_step >= 0:
