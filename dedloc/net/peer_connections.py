@@ -15,8 +15,9 @@ that round.
 
 **Fallback**, per pair and automatic: no grant (the peer is unreachable, in client mode, or runs
 with ``transport="libp2p"``), an endpoint in plaintext when this peer requires encryption, a
-failed connection or a refused hello all make the stream a libp2p one (and a failed connection
-skips the direct path to that peer for ``RETRY_AFTER_S``, net/tcp.py).
+failed connection or a refused hello all make the stream a libp2p one, and skip the direct path
+to that peer for ``RETRY_AFTER_S`` (net/tcp.py): a peer that grants nothing is not asked again at
+every stream.
 
 ``counts`` says how many streams went each way.
 """
@@ -24,13 +25,14 @@ skips the direct path to that peer for ``RETRY_AFTER_S``, net/tcp.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any
 
 from dedloc.errors import ProtocolError
 from dedloc.net.serve import Streams
-from dedloc.net.tcp import GRANT_TTL, DirectTCP, Endpoint
+from dedloc.net.tcp import GRANT_TTL, DirectTCP, Endpoint, open_with_fallback
 from dedloc.net.transport import Handler, StreamPair, Transport
 
 logger = logging.getLogger(__name__)
@@ -73,18 +75,22 @@ class PeerConnections(Transport):
     async def open(self, peer_id: str, protocol: str) -> StreamPair:
         """A direct stream if the peer grants one and it connects, else a libp2p stream (which
         raises as net/serve.Streams.open does)."""
-        if self.tcp is not None and self.tcp.usable(peer_id):
-            try:
-                endpoint, grant_id, key = await self._grant(peer_id)
-                stream = await self.tcp.open(peer_id, protocol, endpoint, grant_id, key, self.encryption)
-                self.counts["direct"] += 1
-                return stream
-            except (ConnectionError, ProtocolError, asyncio.TimeoutError) as e:
-                self._grants.pop(peer_id, None)
-                logger.debug(f"no direct stream to {peer_id} for {protocol} ({e}); a libp2p stream instead")
-        stream = await self.streams.open(peer_id, protocol)
-        self.counts["libp2p"] += 1
-        return stream
+        direct = self.tcp is not None and self.tcp.usable(peer_id)
+        return await open_with_fallback(peer_id, protocol, functools.partial(self._direct, peer_id, protocol)
+                                        if direct else None, self.streams, self.counts)
+
+    async def _direct(self, peer_id: str, protocol: str) -> StreamPair:
+        assert self.tcp is not None
+        try:
+            endpoint, grant_id, key = await self._grant(peer_id)
+        except (ConnectionError, ProtocolError, asyncio.TimeoutError) as e:
+            self.tcp.avoid(peer_id, f"no grant: {e}")  # not asked again at every stream
+            raise
+        try:
+            return await self.tcp.open(peer_id, protocol, endpoint, grant_id, key, self.encryption)
+        except BaseException:
+            self._grants.pop(peer_id, None)
+            raise
 
     async def _grant(self, peer_id: str) -> tuple[Endpoint, bytes, bytes]:
         """The peer's grant (cached until shortly before it expires); raises ConnectionError if

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import hashlib
 import hmac
 import logging
@@ -324,10 +325,15 @@ class DirectTCP:
                 self._give_up(peer_id, f"{type(e).__name__}: {e}")
             raise
 
-    def _give_up(self, peer_id: str, why: str) -> None:
+    def avoid(self, peer_id: str, why: str) -> None:
+        """Use libp2p streams to ``peer_id`` for ``RETRY_AFTER_S`` (``usable`` is False until then);
+        logged at INFO, once per peer and minute."""
         self._failed[peer_id] = time.monotonic() + RETRY_AFTER_S
         self._warnings.warn(f"{peer_id} open", f"direct connection to {peer_id} failed ({why}); using libp2p "
                                                f"streams to it for {RETRY_AFTER_S:.0f} s", level=logging.INFO)
+
+    def _give_up(self, peer_id: str, why: str) -> None:
+        self.avoid(peer_id, why)
         raise ConnectionError(f"direct connection to {peer_id} failed: {why}")
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -356,20 +362,33 @@ class RoundConnections(Transport):
 
     async def open(self, peer_id: str, protocol: str) -> StreamPair:
         data = self.endpoints.get(peer_id, "")
-        if self.tcp is not None and self.key and data and self.tcp.usable(peer_id):
-            try:
-                stream = await self.tcp.open(peer_id, protocol, Endpoint.parse(data), self.round_id, self.key,
-                                             self.encryption)
-                self.counts["direct"] = self.counts.get("direct", 0) + 1
-                return stream
-            except (ConnectionError, ProtocolError) as e:
-                logger.debug(f"{e}; a libp2p stream instead")
-        stream = await self.fallback.open(peer_id, protocol)
-        self.counts["libp2p"] = self.counts.get("libp2p", 0) + 1
-        return stream
+        direct = self.tcp is not None and self.key and data and self.tcp.usable(peer_id)
+        return await open_with_fallback(peer_id, protocol, functools.partial(self._direct, peer_id, protocol, data)
+                                        if direct else None, self.fallback, self.counts)
+
+    async def _direct(self, peer_id: str, protocol: str, data: str) -> StreamPair:
+        assert self.tcp is not None
+        return await self.tcp.open(peer_id, protocol, Endpoint.parse(data), self.round_id, self.key, self.encryption)
 
     async def serve(self, protocol: str, handler: Handler) -> None:
         raise NotImplementedError("a round's connections only open streams; DirectTCP and the node serve them")
+
+
+async def open_with_fallback(peer_id: str, protocol: str, direct: Callable[[], Awaitable[StreamPair]] | None,
+                             fallback: Transport, counts: dict[str, int]) -> StreamPair:
+    """The per-pair fallback, for every transport that prefers direct connections: ``direct()``'s
+    stream (None: no direct path to this peer now), else, or when it fails (ConnectionError,
+    ProtocolError, a timeout), ``fallback``'s; counted in ``counts["direct"]`` / ``counts["libp2p"]``."""
+    if direct is not None:
+        try:
+            stream = await direct()
+            counts["direct"] = counts.get("direct", 0) + 1
+            return stream
+        except (ConnectionError, ProtocolError, asyncio.TimeoutError) as e:
+            logger.debug(f"no direct stream to {peer_id} for {protocol} ({e}); a libp2p stream instead")
+    stream = await fallback.open(peer_id, protocol)
+    counts["libp2p"] = counts.get("libp2p", 0) + 1
+    return stream
 
 
 def _tune(writer: asyncio.StreamWriter) -> None:
@@ -378,4 +397,5 @@ def _tune(writer: asyncio.StreamWriter) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-__all__ = ["DirectTCP", "Endpoint", "RoundConnections", "KEY_BYTES", "RETRY_AFTER_S", "GRANT_TTL"]
+__all__ = ["DirectTCP", "Endpoint", "RoundConnections", "open_with_fallback", "KEY_BYTES", "RETRY_AFTER_S",
+           "GRANT_TTL"]
