@@ -391,3 +391,41 @@ class CreditRecord:
             logger.debug(f"ignoring out-of-range credit record from {aggregator}")
             return None
         return rec
+
+
+MAX_LEDGER_ROWS = 200
+MAX_CHECKPOINTS = 100
+
+
+@dataclass(frozen=True)
+class LedgerRecord:
+    """A backbone's contribution ledger as monitors show it (``{run}.ledger``, under its subkey):
+    its top ``MAX_LEDGER_ROWS`` rows, most samples first, and the checkpoint steps it holds."""
+
+    backbone: str
+    rows: tuple[dict[str, Any], ...]
+    """``{peer, samples, rounds, last_step}`` (monitor/ledger.py ``Ledger.table``)."""
+    checkpoints: tuple[int, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"table": [dict(r) for r in self.rows[:MAX_LEDGER_ROWS]],
+                "checkpoints": list(self.checkpoints[:MAX_CHECKPOINTS])}
+
+    @classmethod
+    def from_wire(cls, backbone: str, obj: Any) -> "LedgerRecord | None":
+        try:
+            table, steps = obj["table"], obj["checkpoints"]
+            if not (isinstance(table, list) and isinstance(steps, list) and len(table) <= MAX_LEDGER_ROWS
+                    and len(steps) <= MAX_CHECKPOINTS):
+                raise ValueError("malformed lists")
+            rows = tuple({"peer": str(r["peer"])[:128], "samples": round(float(r["samples"])),
+                          "rounds": round(float(r["rounds"]), 1), "last_step": int(r["last_step"])} for r in table)
+            rec = cls(backbone, rows, tuple(int(x) for x in steps))
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
+            logger.debug(f"ignoring malformed ledger record from {backbone}")
+            return None
+        if not all(weight_ok(r["samples"]) and weight_ok(r["rounds"]) and r["last_step"] >= -1 for r in rows) \
+                or not all(x >= 0 for x in rec.checkpoints):
+            logger.debug(f"ignoring out-of-range ledger record from {backbone}")
+            return None
+        return rec

@@ -22,7 +22,7 @@ from dedloc.config import AveragingConfig, BackboneConfig, PeerConfig
 from dedloc.monitor.collector import Collector
 from dedloc.monitor.ledger import Ledger
 from dedloc.peer import Peer
-from dedloc.records import CreditRecord, ProgressRecord, Role, RoundReport
+from dedloc.records import CreditRecord, LedgerRecord, ProgressRecord, Role, RoundReport
 from dedloc.roles.backbone import Backbone
 from dedloc.testing.procs import sessions_alive
 
@@ -77,6 +77,12 @@ def test_hostile_records_are_skipped_not_raised():
     assert RoundReport.list_from_wire("a", [report, {"r": 1}, report]) == [RoundReport.from_wire("a", report)] * 2
     assert RoundReport.from_wire("a", {**report, "h": [0.5]}) is None  # shares do not match the members
     assert RoundReport.list_from_wire("a", "not a list") == []
+    row = {"peer": "a", "samples": 66, "rounds": 2.0, "last_step": 9}
+    ledger = LedgerRecord("b", (row,), (4, 8)).to_wire()
+    assert LedgerRecord.from_wire("b", ledger) == LedgerRecord("b", (row,), (4, 8))
+    for bad in ({"table": [{**row, "samples": float("nan")}]}, {"table": [{"peer": "a"}]}, {"table": [row] * 201},
+                {"checkpoints": [-1]}, {"checkpoints": "x"}):
+        assert LedgerRecord.from_wire("b", {**ledger, **bad}) is None, bad
 
 
 def test_the_ledger_sums_its_sources_keeps_departed_ones_and_survives_a_restart(tmp_path):
@@ -106,15 +112,18 @@ def test_the_collaboration_loss_is_the_sample_weighted_mean_per_step():
                "b": ProgressRecord("b", 5, 0, 5.0, Role.TRAINER, time=time.time(), loss=4.0, loss_step=4,
                                    loss_samples=10).to_wire(),
                "c": {"step": "garbage"}}
+    # a trainer's ledger is not shown as the collaboration's: only backbones' are
+    forged = LedgerRecord("a", ({"peer": "a", "samples": 10 ** 9, "rounds": 1.0, "last_step": 4},), ()).to_wire()
 
     async def read(names):
-        return {"progress": records}
+        return {"progress": records, "ledger": {"a": forged}}
 
     c = Collector(read, "r")
     asyncio.run(c.poll())
     assert c.loss_curve() == ([4], [2.5])  # (2*30 + 4*10) / 40
     state = c.state()
     assert state["step"] == 5 and len(state["peers"]) == 2 and c.speed[-1][1] == 15.0
+    assert state["ledger"]["peers"] == [] and state["ledger"]["source"].startswith("this monitor")
 
 
 # ---- real peers: a backbone's dashboard and ledger, metrics, `dedloc monitor`, a browser --------------

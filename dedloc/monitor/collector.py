@@ -17,7 +17,8 @@ from collections import deque
 from typing import Any, Awaitable, Callable
 
 from dedloc.monitor.ledger import Ledger
-from dedloc.records import CapabilityRecord, CollaborationView, CreditRecord, ProgressRecord, Role, RoundReport
+from dedloc.records import (CapabilityRecord, CollaborationView, CreditRecord, LedgerRecord, ProgressRecord, Role,
+                            RoundReport)
 
 logger = logging.getLogger(__name__)
 Read = Callable[[list[str]], Awaitable[dict[str, dict[str, Any]]]]
@@ -42,7 +43,8 @@ class Collector:
         self.rounds: dict[str, dict[str, RoundReport]] = {}
         self.ledger = Ledger()
         self.peers: dict[str, dict[str, Any]] = {}
-        self.backbone_ledgers: dict[str, Any] = {}
+        self.backbone_ledgers: dict[str, LedgerRecord] = {}
+        """Ledgers published by peers whose progress record says they are backbones."""
         self.polls = 0
         self.last_poll = 0.0
         self.error = ""
@@ -85,14 +87,16 @@ class Collector:
             del self.rounds[rid]
         self.ledger.observe(r for p, v in raw.get("credits", {}).items()
                             if (r := CreditRecord.from_wire(p, v)) is not None)
-        self.backbone_ledgers = {p: v for p, v in raw.get("ledger", {}).items() if isinstance(v, dict)}
+        backbones = {r.peer_id for r in progress if r.role == Role.BACKBONE}
+        self.backbone_ledgers = {p: r for p, v in raw.get("ledger", {}).items()
+                                 if p in backbones and (r := LedgerRecord.from_wire(p, v)) is not None}
         self.peers = {}
         for r in progress:
             cap = caps.get(r.peer_id)
             self.peers[r.peer_id] = {
                 "peer": r.peer_id, "role": r.role.value, "step": r.step, "samples_per_second": r.samples_per_second,
                 "last_seen_s": max(0.0, now - r.time),
-                "reachability": _reachability(r, cap),
+                "reachability": _reachability(cap),
                 "upload_Bps": cap.upload if cap else 0.0, "download_Bps": cap.download if cap else 0.0}
         self.polls += 1
         self.last_poll = now
@@ -132,18 +136,14 @@ class Collector:
     def leaderboard(self) -> tuple[str, list[dict[str, Any]]]:
         """(source, rows): a backbone's persistent ledger when one publishes it, else this monitor's
         own (from the credits still in the DHT)."""
-        for peer, value in sorted(self.backbone_ledgers.items()):
-            rows = value.get("table")
-            if isinstance(rows, list):
-                return f"backbone {peer}", [r for r in rows[:200] if isinstance(r, dict)]
+        if self.backbone_ledgers:
+            peer = min(self.backbone_ledgers)
+            return f"backbone {peer}", list(self.backbone_ledgers[peer].rows)
         return "this monitor, from the credits in the DHT", self.ledger.table()
 
     def checkpoints(self) -> list[dict[str, Any]]:
-        out = []
-        for peer, value in sorted(self.backbone_ledgers.items()):
-            steps = value.get("checkpoints")
-            if isinstance(steps, list):
-                out.append({"backbone": peer, "steps": [s for s in steps[:100] if isinstance(s, int)]})
+        out = [{"backbone": peer, "steps": list(record.checkpoints)}
+               for peer, record in sorted(self.backbone_ledgers.items())]
         for p in self.peers.values():
             if p["role"] == Role.BACKBONE.value and not any(c["backbone"] == p["peer"] for c in out):
                 out.append({"backbone": p["peer"], "steps": [p["step"]]})
@@ -162,7 +162,7 @@ class Collector:
                 "checkpoints": self.checkpoints(), "ledger": {"source": source, "peers": board}}
 
 
-def _reachability(r: ProgressRecord, cap: CapabilityRecord | None) -> str:
+def _reachability(cap: CapabilityRecord | None) -> str:
     if cap is None:
         return "unknown"
     if cap.client:

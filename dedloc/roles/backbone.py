@@ -22,11 +22,10 @@ from dedloc.errors import ConfigError, DedlocError
 from dedloc.monitor.ledger import Ledger
 from dedloc.monitor.server import DashboardThread
 from dedloc.peer import Peer
-from dedloc.records import CollaborationView, CreditRecord, ProgressRecord, Role
+from dedloc.records import MAX_LEDGER_ROWS, CollaborationView, CreditRecord, LedgerRecord, ProgressRecord, Role
 from dedloc.state.checkpoint import CheckpointStore
 
 logger = logging.getLogger(__name__)
-LEDGER_ROWS = 200
 
 
 class Backbone:
@@ -112,8 +111,9 @@ class Backbone:
         if changed:
             self.ledger.save(self.ledger_path)
         try:
-            self.peer.publish_record("ledger", {"table": self.ledger.table()[:LEDGER_ROWS],
-                                                "checkpoints": self.store.steps()}, self.peer.config.progress_ttl)
+            record = LedgerRecord(self.peer.peer_id, tuple(self.ledger.table()[:MAX_LEDGER_ROWS]),
+                                  tuple(self.store.steps()))
+            self.peer.publish_record("ledger", record.to_wire(), self.peer.config.progress_ttl)
         except DedlocError as e:
             logger.debug(f"could not publish the ledger: {e}")
         return changed
