@@ -55,8 +55,7 @@ class DemoConfig:
             raise ConfigError("invalid config: trainers must be >= 2")
         if self.steps < 1:
             raise ConfigError("invalid config: steps must be >= 1")
-        if not -1 <= self.dashboard_port < 65536:
-            raise ConfigError("invalid config: dashboard_port must be -1 (none), 0 (any free port) or a port")
+        BackboneConfig(dashboard_port=self.dashboard_port).validate()  # the backbone serves it: its check, now
         if self.slowdown < 0 or self.corpus_files < 1:
             raise ConfigError("invalid config: slowdown must be >= 0 and corpus_files >= 1")
         return self
