@@ -152,6 +152,10 @@ class Peer:
 
         Matchmaking waits up to ``gather_time`` (default: matchmaking_time) for ``expected_peers``.
         ``bounds``: the largest weight each member may bring (averaging/bounds.py; None: only 2^40).
+        Every part of a round averages one and the same set of contributions, named in
+        ``stats["contributors"]`` (peer ids; absent for hierarchical groups); a round whose parts would
+        average different sets (a sender that died between its parts) raises AveragingError on every
+        member, naming whose contributions each part lacks, and leaves ``tensor`` untouched.
         """
         _, finish = self.average_async(tensor, step=step, weight=weight, expected_peers=expected_peers,
                                        timeout=timeout, gather_time=gather_time, bounds=bounds)

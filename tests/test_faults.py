@@ -140,6 +140,9 @@ def test_hostile_member_and_hostile_streams_are_rejected(make_peers):
                     r, w = await node.streams.open(PeerID.from_base58(group.members[j].peer_id), f"dedloc.{node.config.run_id}.allreduce")
                     await write_frame(w, Kind.PULL, group.round_id, j)
                     header = await asyncio.wait_for(read_header(r), 20)
+                    if header.kind == Kind.CONTRIBUTORS:  # the part's contributor set comes first
+                        await r.readexactly(header.numel)
+                        header = await asyncio.wait_for(read_header(r), 20)
                     if header.kind == Kind.RESULT:
                         await read_payload_into(r, w, header, torch.empty(header.numel))
                     answers[("pull", step, j)] = header.kind

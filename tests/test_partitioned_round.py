@@ -13,9 +13,11 @@ import torch
 from dedloc.averaging.bounds import TOO_LARGE
 from dedloc.averaging.allreduce import PartitionedRound
 from dedloc.averaging.round_aggregator import AggregatorRole
+from dedloc.averaging.round_amend import AmendRole
 from dedloc.averaging.round_member import MemberRole
 from dedloc.averaging.group import Group, Member
-from dedloc.averaging.wire import Kind, read_header, write_frame
+from dedloc.averaging.wire import Kind, read_header, write_contributors, write_frame
+from dedloc.errors import AveragingError
 from dedloc.net.transport import LocalPairs
 
 RID = bytes(range(16))
@@ -104,7 +106,8 @@ def test_a_contribution_failing_after_its_part_streamed_fails_the_part_over():
     """Member 3's contribution to part 0 turns NaN in its last segment, after aggregator 0 has
     fixed the contributors and begun streaming the result. Aggregator 0 abandons the part and
     cuts its result streams; everyone (aggregator 0 too) takes part 0 from its backup, which
-    re-reduces it without member 3. The other parts include member 3 as usual."""
+    re-reduces it without member 3. The other parts included member 3, so they are amended:
+    re-reduced with the contributors part 0 has, and the whole vector is one set's mean."""
     numel = 3_000_001  # parts of 750k floats: three 1 MiB segments each
     group = Group(RID, 0, tuple(Member(f"p{i}", 1.0, 1.0) for i in range(4)))
     gen = torch.Generator().manual_seed(5)
@@ -117,13 +120,85 @@ def test_a_contribution_failing_after_its_part_streamed_fails_the_part_over():
     for out in outs:
         assert isinstance(out, torch.Tensor), out
         assert torch.equal(out, outs[0])
-    full = sum(xs) / 4
-    torch.testing.assert_close(outs[0][e:], full[e:])
-    without_3 = [(xs[1] + xs[2]) / 2, (xs[0] + xs[1] + xs[2]) / 3]  # aggregator 0's re-sent copy is optional
-    assert any(torch.allclose(outs[0][s:e], ref[s:e], atol=1e-5) for ref in without_3)
+    agreed = rounds[0].stats.contributors
+    assert agreed in ((1, 2), (0, 1, 2)), agreed  # aggregator 0's re-sent copy is optional
+    assert all(r.stats.contributors == agreed for r in rounds)
+    torch.testing.assert_close(outs[0], sum(xs[k] for k in agreed) / len(agreed), atol=1e-5, rtol=1e-5)
+    assert all(r.amend.amended == [1, 2, 3] for r in rounds)
     assert all(r.stats.failovers == 1 for r in rounds)
     assert "f0>1" in labels(rounds[0]) and "f0>1" in labels(rounds[2]) and "r0<1" in labels(rounds[3])
     assert rounds[0].stats.excluded == {"p3": TOO_LARGE}
+
+
+class SkipsPart2(MemberRole):
+    """A member that sends its contributions to every part but part 2 (as if its path to that
+    aggregator broke, or it died between its sends)."""
+
+    async def contribute(self, j, to=None):
+        if j != 2:
+            await super().contribute(j, to)
+
+
+class PartialSender(PartitionedRound):
+    member_role = SkipsPart2
+
+
+class AmendWithoutResending(AmendRole):
+    """Asks for the amendment, but never re-sends its own contribution (as if it died then)."""
+
+    async def _amend(self, j, agreed):
+        c = self.c
+        if c.me in self.fixers(j):
+            return await super()._amend(j, agreed)
+        reader, writer = await c.open_stream(c.name(self.fixers(j)[0]))
+        await write_contributors(writer, c.group.round_id, j, agreed, len(c.group.members))
+        writer.close()
+        raise AveragingError("left")
+
+
+class LeavesDuringAmendment(PartialSender):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.amend = AmendWithoutResending(self.core)
+
+
+def test_parts_that_averaged_different_contributors_are_amended_to_one_set(caplog):
+    """Member 3 reaches aggregators 0, 1 and 3 but never aggregator 2, which leaves it out of
+    part 2. The other parts included it, so every member takes them re-reduced with the
+    contributors part 2 has: the whole vector is the mean over members 0-2, identical
+    everywhere, and every member's log names member 3 and the part it is missing from."""
+    numel = 400_003
+    group = Group(RID, 0, tuple(Member(f"p{i}", float(i + 1), 1.0) for i in range(4)))
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(numel, generator=gen) for _ in range(4)]
+
+    with caplog.at_level("WARNING", logger="dedloc.averaging"):
+        outs, rounds = asyncio.run(run_rounds(group, xs, [PartitionedRound] * 3 + [PartialSender], timeout=8.0))
+
+    for out in outs:
+        assert isinstance(out, torch.Tensor), out
+        assert torch.equal(out, outs[0])
+    torch.testing.assert_close(outs[0], (xs[0] + 2 * xs[1] + 3 * xs[2]) / 6, atol=1e-5, rtol=1e-5)
+    assert all(r.stats.contributors == (0, 1, 2) for r in rounds)
+    assert all(r.amend.amended == [0, 1, 3] for r in rounds)
+    assert all(r.stats.part_weights == {0: 6.0, 1: 6.0, 2: 6.0, 3: 6.0} for r in rounds)
+    assert caplog.text.count("p3 reached 3 of 4 parts (missing from part(s) [2])") == 4, caplog.text
+
+
+def test_an_amendment_whose_contributor_leaves_fails_the_round_for_every_member():
+    """As above, but member 2 (an agreed contributor) asks for the amendments and then never
+    re-sends its contribution: the amended parts cannot be made, and every member's round fails
+    with an error naming the missing contribution, instead of some taking a mixed vector."""
+    numel = 400_003
+    group = Group(RID, 0, tuple(Member(f"p{i}", 1.0, 1.0) for i in range(4)))
+    xs = [torch.full((numel,), float(i)) for i in range(4)]
+
+    outs, rounds = asyncio.run(run_rounds(group, xs, [PartitionedRound] * 2 + [LeavesDuringAmendment, PartialSender],
+                                          timeout=8.0))
+
+    for i, out in enumerate(outs):
+        assert isinstance(out, AveragingError), (i, out)
+    assert any("the contribution of p2 did not arrive" in str(out) for out in outs), outs
 
 
 class Cheater(AggregatorRole):
@@ -139,6 +214,7 @@ class Cheater(AggregatorRole):
         await part.done.wait()
         wrong = part.wire.clone()
         wrong[: wrong.numel() // 4] += 1000
+        await write_contributors(writer, c.group.round_id, c.me, tuple(part.contributors), len(c.group.members))
         await write_frame(writer, Kind.RESULT, c.group.round_id, c.me, part.total_weight, wrong, c.chunk_bytes,
                           reader, hold)
 

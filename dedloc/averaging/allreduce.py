@@ -18,13 +18,17 @@ Guarantees:
   aggregator's result if it got it and otherwise re-reduces the part from re-sent contributions.
   The aggregator sends its result to all members at once, but holds back the last credit unit of
   every copy except the backup's until the backup ACKs: nobody else can complete the part first;
+- every part of a member's result averages one and the same contributor set (``stats.contributors``):
+  a part whose set is larger than the others' (a sender that failed after reaching some
+  aggregators only) is re-reduced with the common set before ``run()`` returns (round_amend.py);
 - if a part cannot be obtained, ``run()`` raises AveragingError before the round deadline and
   the caller's tensor is untouched (results go to a separate output buffer).
 
 Structure: the roles' shared state is a RoundCore (round_core.py); MemberRole (round_member.py)
 contributes to and pulls every other part, AggregatorRole (round_aggregator.py) reduces and
 streams this member's own part, FailoverRole (round_failover.py) re-reduces a failed aggregator's
-part as its backup. PartitionedRound owns the three: it runs and awaits (or cancels) their tasks,
+part as its backup, AmendRole (round_amend.py) makes the parts' contributor sets one.
+PartitionedRound owns the four: it runs and awaits (or cancels) their tasks,
 dispatches incoming streams to them, and ``close()`` cancels their timers and tasks. The averager
 closes every round when its lifetime ends.
 """
@@ -39,6 +43,7 @@ import torch
 from dedloc.averaging.buffers import BufferPool
 from dedloc.averaging.group import Group
 from dedloc.averaging.round_aggregator import AggregatorRole
+from dedloc.averaging.round_amend import AmendRole
 from dedloc.averaging.round_core import OpenStream, RoundCore, RoundStats
 from dedloc.averaging.round_failover import FailoverRole
 from dedloc.averaging.round_member import MemberRole
@@ -66,6 +71,7 @@ class PartitionedRound:
         self.failover = FailoverRole(self.core, self.verifier)
         self.member = self.member_role(self.core, self.failover, self.verifier)
         self.aggregator = self.aggregator_role(self.core, self.member) if me in self.core.aggregators else None
+        self.amend = AmendRole(self.core)
         self.served = self.aggregator.served if self.aggregator is not None else asyncio.Event()
         """Set once this member's part reached every member, or at the result deadline (after it,
         members fetch from the backup), or once the part is abandoned: from then on this member
@@ -94,6 +100,8 @@ class PartitionedRound:
         try:
             async with asyncio.timeout_at(c.deadline):
                 results = await asyncio.gather(*tasks, return_exceptions=True)
+                if not any(isinstance(r, BaseException) for r in results) and self.group.members[self.me].fetch:
+                    await self.amend.agree(self.member.send_errors)
         except TimeoutError:
             raise AveragingError(f"{c.prefix()}: round did not finish before its deadline") from None
         finally:
@@ -130,6 +138,8 @@ class PartitionedRound:
             return await self.verifier.serve_copy(k, header, reader, writer)
         if header.kind == Kind.VERDICT and self.verifier.checks(header.part):
             return await self.verifier.serve_verdict(k, header, writer)
+        if header.kind == Kind.CONTRIBUTORS and self.amend.fixes(header.part):
+            return await self.amend.serve(k, header, reader, writer)
         logger.warning(f"{c.prefix()}: unexpected {header.kind.name} for part {header.part} from {peer_id}")
         await write_error(writer, self.group.round_id, f"unexpected {header.kind.name} for part {header.part}")
         return True
@@ -140,6 +150,7 @@ class PartitionedRound:
             self.aggregator.close()
         self.failover.close()
         self.verifier.close()
+        self.amend.close()
 
 
 __all__ = ["PartitionedRound", "RoundStats"]

@@ -316,16 +316,19 @@ class Averager:
             try:
                 out = await rnd.run()
                 stats["accepted"] = {m.peer_id: m.weight for m in group.members}  # each member reduces 1/n
+                stats["contributors"] = [m.peer_id for m in group.members if m.weight > 0]  # all or nobody
                 stats["accepted_fraction"] = 1 / len(group.members)
                 return out, group.total_weight
             finally:
                 self._observed(rnd.stats, stats)
-        if group.subgroups:
+        if group.subgroups:  # no one member sees every subgroup's contributors
             return await self._hierarchical(group, me, tensor, weight, timeout, stats)
-        return await self._partitioned(group, me, tensor, weight, timeout, stats)
+        return await self._partitioned(group, me, tensor, weight, timeout, stats, agreed=True)
 
     async def _partitioned(self, group: Group, me: int, local: torch.Tensor, weight: float, timeout: float,
-                           stats: dict[str, Any]) -> tuple[torch.Tensor, float]:
+                           stats: dict[str, Any], agreed: bool = False) -> tuple[torch.Tensor, float]:
+        """One partitioned round; with ``agreed`` (a flat group), ``stats["contributors"]`` names the one
+        contributor set all its parts averaged."""
         rnd = PartitionedRound(group, me, local, weight, self._opener(group, stats), timeout, group.compression,
                                self.config.chunk_bytes, self.pool)
         self._register(group.round_id, rnd, timeout + ROUND_GRACE, group)
@@ -338,6 +341,8 @@ class Averager:
             if "accepted" not in stats:  # a hierarchical round: its subgroup's (whose contributors are peers)
                 stats["accepted"], stats["accepted_fraction"] = dict(rnd.stats.accepted), rnd.stats.accepted_fraction
             self._observed(rnd.stats, stats, rnd.served)
+        if agreed and rnd.stats.contributors is not None:
+            stats["contributors"] = [group.members[i].peer_id for i in rnd.stats.contributors]
         weights = rnd.stats.part_weights
         total = min(weights.values()) if weights else weight
         return output, total

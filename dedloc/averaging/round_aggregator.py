@@ -21,7 +21,8 @@ import torch
 from dedloc.averaging.round_core import RoundCore
 from dedloc.averaging.round_member import MemberRole
 from dedloc.averaging.streamed_part import PartAbandoned, StreamedPart
-from dedloc.averaging.wire import Header, Kind, read_error_text, read_header, write_error, write_frame
+from dedloc.averaging.wire import Header, Kind, read_error_text, read_header, write_contributors, write_error, \
+    write_frame
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class AggregatorRole:
                 failed = f"our backup {c.name(b)} did not verify our result ({self._refused})"
         if failed is None:
             c.stats.part_weights[c.me] = part.total_weight
+            c.stats.part_sets[c.me] = tuple(part.contributors)
             c.stats.accepted = {c.name(k): part.weight_of(k) for k in part.contributors or ()}
             c.stats.accepted_fraction = (e - s) / max(1, c.local.numel())
             c.have[c.me].set_result(True)
@@ -162,8 +164,10 @@ class AggregatorRole:
 
     async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, to: int,
                       hold: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Send our part as it is produced; raises PartAbandoned (the caller cuts the stream)."""
+        """Send our part's contributor set, then the part as it is produced; raises PartAbandoned
+        (the caller cuts the stream)."""
         c, part = self.c, self.part
+        await write_contributors(writer, c.group.round_id, c.me, tuple(part.contributors), len(c.group.members))
         c.stats.add_sent(await write_frame(writer, Kind.RESULT, c.group.round_id, c.me, part.total_weight,
                                            part.wire, c.chunk_bytes, reader, hold, supply=part),
                          f"r{c.me}>{to}")

@@ -17,8 +17,8 @@ import torch
 from dedloc.averaging.buffers import BufferPool
 from dedloc.averaging.group import Group, Member
 from dedloc.averaging.streamed_part import StreamedPart
-from dedloc.averaging.wire import Header, Kind, ProtocolError, check_payload, read_error_text, read_header, \
-    read_payload_into, write_error, write_frame
+from dedloc.averaging.wire import Header, Kind, ProtocolError, check_payload, read_contributors, read_error_text, \
+    read_header, read_payload_into, write_contributors, write_error, write_frame
 from dedloc.errors import AveragingError
 from dedloc.net.bulk import Transfer, busy_seconds
 from dedloc.averaging.bounds import MAX_WEIGHTED, TOO_LARGE
@@ -37,6 +37,11 @@ class RoundStats:
         against their backup's digest."""
         self.excluded: dict[str, str] = {}
         self.part_weights: dict[int, float] = {}
+        self.part_sets: dict[int, tuple[int, ...]] = {}
+        """Per part this member holds: the member indices whose contributions it averages."""
+        self.contributors: tuple[int, ...] | None = None
+        """The one contributor set every part of the round averaged (set once the round agreed;
+        None for a member that holds only some parts, or before)."""
         self.accepted: dict[str, float] = {}
         """Contributors to the part this member aggregated, with the weights it reduced them with
         (the contribution ledger counts these, not what peers claim)."""
@@ -202,10 +207,17 @@ class RoundCore:
 
     async def read_result(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, part: int,
                           who: int) -> None:
-        """Read part ``part``'s result from member ``who`` into the output; its weight into the stats."""
+        """Read part ``part``'s result (its contributor set, then the values) from member ``who``
+        into the output; its weight and contributor set into the stats."""
         header = await read_header(reader)
         if header.kind == Kind.ERROR:
             raise AveragingError(f"peer {self.name(who)} answered: {await read_error_text(reader, header)}")
+        if header.kind != Kind.CONTRIBUTORS or header.part != part:
+            raise ProtocolError(f"expected CONTRIBUTORS for part {part}, got {header.kind.name} for part {header.part}")
+        contributors = await read_contributors(reader, header, len(self.group.members))
+        if any(self.group.members[i].weight <= 0 for i in contributors):
+            raise ProtocolError(f"the contributor set of part {part} names a member with weight 0")
+        header = await read_header(reader)
         if header.kind != Kind.RESULT or header.part != part:
             raise ProtocolError(f"expected RESULT for part {part}, got {header.kind.name} for part {header.part}")
         s, e = self.bounds[part]
@@ -219,11 +231,13 @@ class RoundCore:
             out.copy_(data)
             self.pool.give(data)
         self.stats.part_weights[part] = header.weight
+        self.stats.part_sets[part] = contributors
 
     async def send_result(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, part: int,
                           weight: float, to: int) -> None:
-        """Send a finished part from the output (a failover's re-reduce)."""
+        """Send a finished part from the output (a failover's re-reduce), after its contributor set."""
         s, e = self.bounds[part]
+        await write_contributors(writer, self.group.round_id, part, self.stats.part_sets[part], len(self.group.members))
         self.stats.add_sent(await write_frame(writer, Kind.RESULT, self.group.round_id, part, weight,
                                               self.to_wire(self.output[s:e]), self.chunk_bytes, reader),
                             f"r{part}>{to}")

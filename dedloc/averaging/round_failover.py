@@ -58,6 +58,7 @@ class FailoverRole:
                 if recomputed is not None:
                     c.output[s:e] = recomputed.out
                     c.stats.part_weights[j] = recomputed.total_weight
+                    c.stats.part_sets[j] = tuple(recomputed.contributors)
                     logger.info(f"{c.prefix()}: serving our recomputation of part {j} in place of aggregator "
                                 f"{c.name(j)}'s result")
                     return
@@ -68,6 +69,7 @@ class FailoverRole:
                 c.output[s:e] = c.rounded(mean)
                 c.pool.give(mean)
                 c.stats.part_weights[j] = state.acc.total_weight
+                c.stats.part_sets[j] = tuple(sorted(state.acc.contributors))
                 logger.info(f"{c.prefix()}: re-reduced part {j} of failed aggregator {c.name(j)} "
                             f"from {len(state.acc.contributors)} contributions")
         except Exception as e:

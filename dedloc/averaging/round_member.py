@@ -35,6 +35,8 @@ class MemberRole:
         self.exchanges = [j for j in core.aggregators if j != core.me and (fetch or core.group.backup(j) == core.me)]
         """Parts this member takes part in as a member: all others' (only those it backs up, if it
         needs no result)."""
+        self.send_errors: dict[int, str] = {}
+        """Why this member's contribution to a part did not arrive, per part (as far as it can tell)."""
 
     async def exchange(self, j: int) -> None:
         """Contribute to part ``j`` (if this member has weight) and pull its result, both at once;
@@ -102,8 +104,12 @@ class MemberRole:
                     writer.close()
         except ProtocolError as e:
             logger.warning(f"{c.prefix()}: {c.name(target)} did not take our {kind.name} for part {j}: {e}")
+            if to is None:
+                self.send_errors[j] = f"{c.name(target)} refused it: {e}"
         except Exception as e:
             logger.debug(f"{c.prefix()}: {kind.name} for part {j} did not arrive at {c.name(target)}: {e!r}")
+            if to is None:
+                self.send_errors[j] = f"it did not reach {c.name(target)}: {type(e).__name__}: {e}"
 
     async def confirm(self, writer: asyncio.StreamWriter, j: int) -> None:
         """As part ``j``'s backup, tell its aggregator that we hold its result (it completes

@@ -102,6 +102,9 @@ class VerifierRole:
             return f"the backup could not recompute it ({check.part.failed})"
         s, e = c.bounds[j]
         ours, theirs = check.part.out, c.output[s:e]
+        if c.stats.part_sets.get(j) != tuple(check.part.contributors):
+            return (f"its contributors {list(c.stats.part_sets.get(j, ()))} differ from the recomputation's "
+                    f"{check.part.contributors}")
         if abs(weight - check.part.total_weight) > 1e-9 * max(1.0, weight):
             return (f"its weight {weight} differs from the recomputation's {check.part.total_weight} "
                     f"(different contributors)")

@@ -27,12 +27,15 @@ MAGIC = b"DDLC"
 MAX_TOTAL_WEIGHT = float(1 << 52)
 """No header's weight is above this: a member's weight is at most 2^40 (averaging/bounds.py), and a
 result's is a total over at most 4096 of them."""
-VERSION = 7  # 2: members carry a "fetch" flag, ready records the vector size; 3: payloads are credit-paced;
+VERSION = 8  # 2: members carry a "fetch" flag, ready records the vector size; 3: payloads are credit-paced;
 # 4: probes are credit-paced too; 5: a credit per 16 KiB (was 64 KiB); 6: results are pulled on a stream
-# of their own (PULL) and streamed while contributions still arrive; 7: verified parts (CHECK, VERDICT, DIGEST)
+# of their own (PULL) and streamed while contributions still arrive; 7: verified parts (CHECK, VERDICT, DIGEST);
+# 8: every part's RESULT is preceded by its contributor set (CONTRIBUTORS); parts that differ are amended (AMEND)
 HEADER = struct.Struct("<4sHBB16sIdQ")
 MAX_ERROR_BYTES = 4096
 DIGEST_BYTES = 32
+MAX_GROUP = 4096
+"""The largest group a contributor set can name (matchmaking caps groups well below this)."""
 
 
 class Kind(enum.IntEnum):
@@ -47,6 +50,8 @@ class Kind(enum.IntEnum):
     CHECK = 9  # sender -> backup aggregator (verified rounds): a copy of its CONTRIB, for the recomputation
     VERDICT = 10  # member -> backup aggregator (verified rounds): is the part's result you hold verified?
     DIGEST = 11  # backup -> member: blake2b-256 of the verified part's wire bytes (payload: the digest)
+    CONTRIBUTORS = 12  # before every RESULT: whose contributions it averages (payload: a bitmask of member indices)
+    AMEND = 13  # member -> fixer, after CONTRIBUTORS(agreed set): re-reduce the part with exactly that set
 
 
 DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}
@@ -64,7 +69,7 @@ class Header:
 
     @property
     def nbytes(self) -> int:
-        if self.kind in (Kind.ERROR, Kind.DIGEST):
+        if self.kind in (Kind.ERROR, Kind.DIGEST, Kind.CONTRIBUTORS):
             return self.numel
         if self.dtype is None:
             return 0
@@ -96,6 +101,8 @@ def unpack_header(raw: bytes) -> Header:
         raise ProtocolError(f"error message of {numel} bytes exceeds {MAX_ERROR_BYTES}")
     if kind == Kind.DIGEST and (numel != DIGEST_BYTES or code):
         raise ProtocolError(f"a digest must be {DIGEST_BYTES} bytes, got {numel}")
+    if kind == Kind.CONTRIBUTORS and (numel > MAX_GROUP // 8 or code):
+        raise ProtocolError(f"a contributor set of {numel} bytes exceeds {MAX_GROUP // 8}")
     if not (weight == weight) or weight < 0 or weight > MAX_TOTAL_WEIGHT:
         raise ProtocolError(f"invalid weight {weight}")
     return Header(kind, DTYPES.get(code), bytes(round_id), part, weight, numel)
@@ -168,6 +175,27 @@ async def write_error(writer: asyncio.StreamWriter, round_id: bytes, message: st
 async def read_error_text(reader: asyncio.StreamReader, header: Header) -> str:
     data = await reader.readexactly(header.numel)
     return data.decode(errors="replace")
+
+
+async def write_contributors(writer: asyncio.StreamWriter, round_id: bytes, part: int,
+                             contributors: tuple[int, ...], group_size: int) -> None:
+    """Write a CONTRIBUTORS frame: ``contributors`` (member indices) as a bitmask of
+    ceil(group_size / 8) bytes, bit i of byte i // 8 for member i."""
+    mask = sum(1 << i for i in contributors).to_bytes((group_size + 7) // 8, "little")
+    writer.write(pack_header(Kind.CONTRIBUTORS, round_id, part, numel=len(mask)) + mask)
+    await writer.drain()
+
+
+async def read_contributors(reader: asyncio.StreamReader, header: Header, group_size: int) -> tuple[int, ...]:
+    """Read a CONTRIBUTORS frame's payload (``header`` already read): the member indices in order.
+    Raises ProtocolError unless it is exactly ceil(group_size / 8) bytes naming members only."""
+    size = (group_size + 7) // 8
+    if header.numel != size:
+        raise ProtocolError(f"a contributor set for {group_size} members must be {size} bytes, got {header.numel}")
+    mask = int.from_bytes(await reader.readexactly(size), "little")
+    if mask >> group_size:
+        raise ProtocolError(f"the contributor set names a member beyond the group's {group_size}")
+    return tuple(i for i in range(group_size) if mask >> i & 1)
 
 
 def check_payload(header: Header, out: torch.Tensor) -> None:

@@ -467,8 +467,8 @@ class CollaborativeOptimizer:
             # next round (when rounds outlast compute, no report falls in that gap)
             self.offer_state()
         excluded = set(stats.get("excluded", ()))
-        contributors = tuple(p for p, w in zip(stats.get("peers", ()), stats.get("weights", ()))
-                             if w > 0 and p not in excluded)
+        contributors = tuple(stats["contributors"]) if "contributors" in stats else tuple(
+            p for p, w in zip(stats.get("peers", ()), stats.get("weights", ())) if w > 0 and p not in excluded)
         record = RoundRecord(step, local_samples, float(stats.get("total_weight", local_samples)),
                              int(stats.get("group_size", 1)), time.monotonic() - started, overflow, contributors)
         self.history.append(record)
