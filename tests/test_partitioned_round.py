@@ -162,27 +162,50 @@ class LeavesDuringAmendment(PartialSender):
         self.amend = AmendWithoutResending(self.core)
 
 
-def test_parts_that_averaged_different_contributors_are_amended_to_one_set(caplog):
-    """Member 3 reaches aggregators 0, 1 and 3 but never aggregator 2, which leaves it out of
-    part 2. The other parts included it, so every member takes them re-reduced with the
-    contributors part 2 has: the whole vector is the mean over members 0-2, identical
-    everywhere, and every member's log names member 3 and the part it is missing from."""
+def without_member_3(kind: type, seed: int) -> list[PartitionedRound]:
+    """Members 0-2 honest (weights 1-3), member 3 of ``kind``: checks that every member ends with the
+    same bits, the mean over members 0-2 only, and that every round names that set; returns the rounds."""
     numel = 400_003
     group = Group(RID, 0, tuple(Member(f"p{i}", float(i + 1), 1.0) for i in range(4)))
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(seed)
     xs = [torch.randn(numel, generator=gen) for _ in range(4)]
-
-    with caplog.at_level("WARNING", logger="dedloc.averaging"):
-        outs, rounds = asyncio.run(run_rounds(group, xs, [PartitionedRound] * 3 + [PartialSender], timeout=8.0))
-
+    outs, rounds = asyncio.run(run_rounds(group, xs, [PartitionedRound] * 3 + [kind], timeout=8.0))
     for out in outs:
         assert isinstance(out, torch.Tensor), out
         assert torch.equal(out, outs[0])
     torch.testing.assert_close(outs[0], (xs[0] + 2 * xs[1] + 3 * xs[2]) / 6, atol=1e-5, rtol=1e-5)
     assert all(r.stats.contributors == (0, 1, 2) for r in rounds)
+    return rounds
+
+
+def test_parts_that_averaged_different_contributors_are_amended_to_one_set(caplog):
+    """Member 3 reaches aggregators 0, 1 and 3 but never aggregator 2, which leaves it out of
+    part 2. The other parts included it, so every member takes them re-reduced with the
+    contributors part 2 has: the whole vector is the mean over members 0-2, identical
+    everywhere, and every member's log names member 3 and the part it is missing from."""
+    with caplog.at_level("WARNING", logger="dedloc.averaging"):
+        rounds = without_member_3(PartialSender, 7)
     assert all(r.amend.amended == [0, 1, 3] for r in rounds)
     assert all(r.stats.part_weights == {0: 6.0, 1: 6.0, 2: 6.0, 3: 6.0} for r in rounds)
     assert caplog.text.count("p3 reached 3 of 4 parts (missing from part(s) [2])") == 4, caplog.text
+
+
+class Rejoined(PartitionedRound):
+    """A member whose first join for the step answered too late: the leader kept it in the group with
+    its old weight, and it runs the round with the gradients it accumulated since (half as many)."""
+
+    def __init__(self, group, me, local, weight, *args, **kwargs):
+        super().__init__(group, me, local, weight / 2, *args, **kwargs)
+
+
+def test_a_member_bringing_another_weight_than_agreed_is_left_out_of_every_part(caplog):
+    """Found by the soak: the other aggregators refused such a member's contributions for their
+    weight, but its own part took its own contribution, with the new weight. Now its own part
+    leaves it out too: one contributor set without an amendment, and the member is told why."""
+    with caplog.at_level("WARNING", logger="dedloc.averaging"):
+        rounds = without_member_3(Rejoined, 9)
+    assert all(r.amend.amended == [] for r in rounds)
+    assert "this peer is in the group with weight 4.0 (an earlier join for this step) but now brings 2.0" in caplog.text
 
 
 def test_an_amendment_whose_contributor_leaves_fails_the_round_for_every_member():

@@ -70,8 +70,7 @@ class AggregatorRole:
         if c.group.verify and c.weight > 0 and b is not None:
             copy = asyncio.create_task(self.member.contribute(c.me, to=b))
         try:
-            if c.weight > 0:
-                part.add_local(c.me, c.weight, c.local[s:e])
+            c.add_own(part, c.me)
             await part.done.wait()
             self.reduced_at = time.monotonic()
             for k, why in part.rejected.items():

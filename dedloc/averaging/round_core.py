@@ -14,6 +14,7 @@ from typing import Awaitable, Callable
 
 import torch
 
+from dedloc.averaging.accumulator import PartAccumulator
 from dedloc.averaging.buffers import BufferPool
 from dedloc.averaging.group import Group, Member
 from dedloc.averaging.streamed_part import StreamedPart
@@ -107,6 +108,30 @@ class RoundCore:
         self.senders = {i for i, m in enumerate(group.members) if m.weight > 0}
         self.have = {j: loop.create_future() for j in self.aggregators}
         """Per part: True once this member holds its result from the aggregator, False if it must fail over."""
+        agreed = group.members[me].weight
+        self.own_refused: str | None = None
+        """Why this member's own contribution is left out of every part (None: it is not)."""
+        if weight > 0 and abs(weight - agreed) > 1e-6 * max(1.0, agreed):
+            # e.g. a join whose answer came too late: the leader kept it in the group, and the peer,
+            # having dropped those gradients, joined again with new ones. The other aggregators refuse
+            # its contributions for the weight; its own part must leave it out too
+            self.own_refused = f"weight {weight} differs from the agreed {agreed}"
+            logger.warning(f"{self.prefix()}: this peer is in the group with weight {agreed} (an earlier join for this "
+                           f"step) but now brings {weight}: its contribution is left out of this round")
+
+    def add_own(self, part: "StreamedPart | PartAccumulator", j: int) -> None:
+        """Add this member's own contribution to its copy of part ``j`` (or, if its weight is not the
+        agreed one, take it out there as every other aggregator does)."""
+        if self.weight <= 0:
+            return
+        if self.own_refused is not None:
+            part.reject(self.me, self.own_refused)
+            return
+        s, e = self.bounds[j]
+        if isinstance(part, StreamedPart):
+            part.add_local(self.me, self.weight, self.local[s:e])
+        else:
+            part.add(self.me, self.weight, self.local[s:e])
 
     def name(self, i: int) -> str:
         return self.group.members[i].peer_id

@@ -62,8 +62,7 @@ class FailoverRole:
                     logger.info(f"{c.prefix()}: serving our recomputation of part {j} in place of aggregator "
                                 f"{c.name(j)}'s result")
                     return
-                if c.weight > 0:
-                    state.acc.add(c.me, c.weight, c.local[s:e])
+                c.add_own(state.acc, j)
                 await state.acc.wait(c.failover_deadline)
                 mean = state.acc.finish()
                 c.output[s:e] = c.rounded(mean)

@@ -80,8 +80,7 @@ class VerifierRole:
             timers = [loop.call_at(core.start_deadline, part.expire_unstarted),
                       loop.call_at(core.reduce_deadline, part.expire)]
             self._checks[j] = _Check(part, timers)
-            if core.weight > 0:
-                part.add_local(core.me, core.weight, core.local[s:e])
+            core.add_own(part, j)
 
     # ---- as the backup -----------------------------------------------------------------------
     def checks(self, j: int) -> bool:
