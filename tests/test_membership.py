@@ -24,7 +24,9 @@ from dedloc.averaging.wire import VERSION
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import ConfigError, Unauthorized
 from dedloc.net.identity import create_identity, load_identity
+from dedloc.net import rpc
 from dedloc.net.node import Node
+from dedloc.net.relay_guard import RelayGuard
 from dedloc.net.serve import Streams
 
 AVG = AveragingConfig(matchmaking_time=2, averaging_timeout=30, probe_interval=0)
@@ -337,3 +339,51 @@ def test_an_invitation_file_that_cannot_be_read_fails_at_start_by_name(tmp_path)
     with pytest.raises(ConfigError, match="cannot read the invitation file .*no-such-file"):
         make_authorizer(owner.run_id, owner.public, missing, Invitation.verify(
             config.invite, owner_public_key(owner.public), owner.run_id).peer_id)
+
+
+def test_a_relay_drops_peers_that_show_no_invitation(tmp_path, caplog):
+    """A relay of an invite-only run (relay_guard.py) keeps a member that proved itself (its DHT
+    requests carry its invitation) and disconnects an uninvited peer once its grace is over; the
+    peer coming back is disconnected at the next sweep, with no new grace."""
+    owner = RunOwner.init(str(tmp_path / "run"), run_id())
+
+    async def scenario() -> tuple[list[list[str]], dict, str, str]:
+        relay = await Node.create(member(owner, tmp_path, "relay", relay_service=True))
+        nodes = [relay]
+        try:
+            maddrs = [str(a) for a in await relay.p2p.get_visible_maddrs()]
+            m = await Node.create(member(owner, tmp_path, "m", initial_peers=tuple(maddrs)))
+            nodes.append(m)
+            stranger = await intruder(owner.run_id, maddrs)
+            nodes.append(stranger)
+            me, intruder_id = relay.peer_id.to_base58(), stranger.peer_id.to_base58()
+            guard = RelayGuard(relay.p2p, relay.authorizer, me, grace=1.0)
+            sweeps: list[list[str]] = []
+
+            async def sweep_until_dropped() -> None:
+                async with asyncio.timeout(20):
+                    while intruder_id not in (dropped := await guard.sweep()):
+                        sweeps.append(dropped)
+                        await asyncio.sleep(0.2)
+                    sweeps.append(dropped)
+
+            assert intruder_id in await rpc.connections(relay.p2p)
+            await sweep_until_dropped()
+            first = len(sweeps)
+            connected = await rpc.connections(relay.p2p)
+            peer = Multiaddr(maddrs[0])["p2p"]
+            await stranger.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(a.split("/p2p/")[0]) for a in maddrs])
+            assert intruder_id in await rpc.connections(relay.p2p)
+            await sweep_until_dropped()
+            return sweeps[first:], connected, m.peer_id.to_base58(), intruder_id
+        finally:
+            for node in reversed(nodes):
+                await node.shutdown()
+
+    with caplog.at_level("INFO", logger="dedloc.net.relay_guard"):
+        again, connected, member_id, intruder_id = asyncio.run(scenario())
+    assert member_id in connected and intruder_id not in connected, connected  # the member stayed
+    assert again == [[intruder_id]], again  # back again: dropped at the first sweep
+    assert f"disconnected {intruder_id}: not a member of this run (showed no invitation within 1 s)" in caplog.text
+    assert f"disconnected {intruder_id}: not a member of this run (came back without an invitation)" in caplog.text
+    assert member_id not in caplog.text

@@ -23,9 +23,10 @@ from dedloc.errors import ConfigError, Unauthorized
 
 logger = logging.getLogger(__name__)
 CACHE = 4096
+"""Verified invitations remembered (by token), so a check is a lookup after the first; and peers
+remembered as having proven membership."""
 RENEW_CHECK_S = 10.0
 """How often a peer looks at its invitation file for a renewal (and at its invitation's expiry)."""
-"""Verified invitations remembered (by token), so a check is a lookup after the first."""
 
 
 class Authorizer(ABC):
@@ -42,6 +43,12 @@ class Authorizer(ABC):
     def admit(self, peer_id: str, credential: str | None) -> None:
         """Return if ``peer_id`` (authenticated by the caller) may take part, given the credential
         it presented; else raise Unauthorized."""
+
+    def proven(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` has shown this peer a credential that ``admit`` accepted (on a stream,
+        a DHT request or a record it signed) and that is still valid now (unexpired, unrevoked).
+        Open runs: every peer."""
+        return True
 
     def update_revocations(self, text: str) -> bool:
         """Apply a revocation list (ignored if older than the one held); True if it was newer."""
@@ -89,6 +96,8 @@ class InviteOnly(Authorizer):
         self._next_look = time.monotonic() + RENEW_CHECK_S
         self._warned: set[str] = set()
         self._verified: dict[str, Invitation] = {}
+        self._proven: dict[str, str] = {}
+        """Peer id -> the credential it was last admitted with (at most CACHE, oldest dropped)."""
         self._revocations: Revocations | None = None
         self._revocations_text: str | None = None
         left = own.expires - time.time()
@@ -173,6 +182,21 @@ class InviteOnly(Authorizer):
             raise Unauthorized(f"the invitation of {peer_id} has expired")
         if self._revocations is not None and self._revocations.voids(inv):
             raise Unauthorized(f"the invitation of {peer_id} was revoked")
+        self._proven.pop(peer_id, None)
+        self._proven[peer_id] = credential
+        while len(self._proven) > CACHE:
+            self._proven.pop(next(iter(self._proven)))
+
+    def proven(self, peer_id: str) -> bool:
+        credential = self._proven.get(peer_id)
+        if credential is None:
+            return False
+        try:
+            self.admit(peer_id, credential)
+        except Unauthorized:
+            self._proven.pop(peer_id, None)
+            return False
+        return True
 
     def update_revocations(self, text: str) -> bool:
         rev = Revocations.verify(text, self.owner, self.run_id)

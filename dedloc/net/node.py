@@ -10,7 +10,8 @@ Lives inside the runtime process (see runtime.py). Guarantees:
 - ``reachability`` is known before the DHT starts (dial-back probe, see reachability.py); a peer
   found private joins the DHT as a client, keeps slots on the run's relays (``relays``, else the
   initial peers) and punches holes to peers that reach it through them (DCUtR, QUIC preferred);
-- a ``relay_service`` peer relays for private peers with limits sized for bulk traffic;
+- a ``relay_service`` peer relays for private peers with limits sized for bulk traffic; in an
+  invite-only run only for members (relay_guard.py: others are disconnected);
 - an unreachable initial peer raises :class:`JoinError` naming the addresses, within the startup timeout;
 - ``shutdown()`` stops the DHT and terminates the daemon, removing its socket files; so does a
   failed ``create()``, even when the daemon exited on its own (hivemind then leaves its socket).
@@ -39,6 +40,7 @@ from dedloc.config import PeerConfig
 from dedloc.errors import JoinError
 from dedloc.net.identity import create_identity, load_identity, peer_id_of
 from dedloc.net.membership import Membership
+from dedloc.net.relay_guard import RelayGuard, keep_known
 from dedloc.net.serve import Streams
 from dedloc.net.reachability import DialbackServer, Reachability, probe
 
@@ -143,7 +145,9 @@ class Node:
         """Opening and serving this peer's stream protocols (membership checked on every stream)."""
         self.authorizer = streams.authorizer
         self.membership: Membership | None = None
-        self._membership_task: asyncio.Task | None = None
+        self.relay_guard: RelayGuard | None = None
+        self._tasks: list[asyncio.Task] = []
+        """Background tasks this node owns (membership upkeep); ``shutdown()`` cancels them."""
 
     @classmethod
     async def create(cls, config: PeerConfig) -> "Node":
@@ -237,7 +241,13 @@ class Node:
         if authorizer.invite_only:
             node.membership = Membership(authorizer, node.key("revoked"), peer_id, config.revocations, node.store, node.get)
             await node.membership.refresh()
-            node._membership_task = asyncio.create_task(node.membership.run(), name="dedloc-membership")
+            node._tasks.append(asyncio.create_task(node.membership.run(), name="dedloc-membership"))
+            if config.relay_service:  # the daemon's relay admits anyone: drop who shows no invitation
+                node.relay_guard = RelayGuard(p2p, authorizer, peer_id)
+                node._tasks.append(asyncio.create_task(node.relay_guard.run(), name="dedloc-relay-guard"))
+            if auto_relay and not reachability.public:  # stay known to the relays this peer holds slots on
+                node._tasks.append(asyncio.create_task(
+                    keep_known(dht.protocol.call_ping, [Multiaddr(a)["p2p"] for a in relays]), name="dedloc-keep-known"))
         return node
 
     @property
@@ -286,9 +296,9 @@ class Node:
         return out
 
     async def shutdown(self) -> None:
-        if self._membership_task is not None:
-            self._membership_task.cancel()
-            await asyncio.gather(self._membership_task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         try:
             await asyncio.wait_for(self.dht.shutdown(), 5)
         except Exception:
