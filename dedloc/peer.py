@@ -85,24 +85,29 @@ class Peer:
         self.runtime.call("leave", 2 * self.config.progress_ttl)
 
     # ---- training state ---------------------------------------------------------------------------------
-    def offer_state(self, step: int, blob: bytes) -> None:
-        """Make ``blob`` (a state at ``step``, see state/snapshot.py) available to peers that ask for it."""
-        self.runtime.call("offer_state", step, blob)
+    def offer_state(self, step: int, blob: bytes, history: list[str] | None = None) -> None:
+        """Make ``blob`` (a state at ``step``, see state/snapshot.py) available to peers that ask for it;
+        ``history``: its lineage (``"t:h"`` per step, state/lineage.py), sent ahead of the bytes."""
+        self.runtime.call("offer_state", step, blob, list(history or ()))
 
     def download_state(self, donors: list[str], min_step: int, timeout: float,
-                       max_bytes: int | None = None) -> tuple[int, bytes, str]:
+                       max_bytes: int | None = None, votes: dict[str, str] | None = None) -> tuple[int, bytes, str]:
         """Download a state at step >= ``min_step`` from the first of ``donors`` that has one.
 
         Returns (step, blob, donor); raises StateError naming each donor's failure. A donor that
         announces more than ``max_bytes`` (None: the 64 GiB protocol cap) is refused before any
-        byte of the state is read: size it from what this peer expects (its own model).
+        byte of the state is read: size it from what this peer expects (its own model). So is a
+        donor whose announced lineage the live peers' fingerprints ``votes`` outvote (a fork;
+        state/lineage.py); the blob itself must still be checked against its own fingerprint.
         """
-        return self.download_state_async(donors, min_step, timeout, max_bytes).result(timeout + 30)
+        return self.download_state_async(donors, min_step, timeout, max_bytes, votes).result(timeout + 30)
 
     def download_state_async(self, donors: list[str], min_step: int, timeout: float,
-                             max_bytes: int | None = None) -> "cf.Future[tuple[int, bytes, str]]":
+                             max_bytes: int | None = None,
+                             votes: dict[str, str] | None = None) -> "cf.Future[tuple[int, bytes, str]]":
         """:meth:`download_state` without waiting: a future of its result (errors as there)."""
-        return self.runtime.call_async("download_state", list(donors), min_step, timeout, max_bytes)
+        return self.runtime.call_async("download_state", list(donors), min_step, timeout, max_bytes,
+                                       dict(votes) if votes else None)
 
     # ---- averaging ------------------------------------------------------------------------------------
     def _lease(self, numel: int) -> str:

@@ -138,18 +138,18 @@ class PeerService:
         The mark holds the time of leaving: it hides only the records published before it."""
         await self.node.store(self.node.key("left"), self.node.peer_id.to_base58(), time.time(), ttl)
 
-    async def offer_state(self, step: int, blob: bytes) -> None:
-        await self.states.offer(step, blob)
+    async def offer_state(self, step: int, blob: bytes, history: list[str] | None = None) -> None:
+        await self.states.offer(step, blob, history or ())
 
     async def download_state(self, donors: list[str], min_step: int, timeout: float,
-                             max_bytes: int | None = None) -> tuple[int, bytes, str]:
+                             max_bytes: int | None = None, votes: dict[str, str] | None = None) -> tuple[int, bytes, str]:
         """Download a state (see StateServer.download). Meanwhile the last progress record is
         republished before it expires: a peer blocked in a download stays visible to the others
         (were its record to expire, a newcomer could take an older checkpoint for the collaboration's
         state and fork from it)."""
         keepalive = asyncio.create_task(self._keep_visible())
         try:
-            found = await self.states.download(donors, min_step, timeout, max_bytes)
+            found = await self.states.download(donors, min_step, timeout, max_bytes, votes)
             self.metrics.state_downloads.inc()
             return found
         finally:

@@ -576,3 +576,30 @@ def test_a_donor_announcing_a_huge_state_is_refused_before_its_bytes():
     finally:
         newcomer.close()
         good.close()
+
+
+def test_a_forked_donor_is_refused_at_its_state_header():
+    """A donor whose state's lineage rewrites a step the live peers took with other parameters (a
+    fork) used to be refused only after its whole state was downloaded and decoded. Its header
+    now carries the lineage: the requester refuses it before the bytes, naming the step it
+    rewrites, and takes the state from the next donor, whose history the votes agree with."""
+    rid = run_id()
+    forked = Peer(PeerConfig(run_id=rid), AVG)
+    good = Peer(PeerConfig(run_id=rid, initial_peers=tuple(forked.maddrs)), AVG)
+    newcomer = Peer(PeerConfig(run_id=rid, initial_peers=tuple(forked.maddrs)), AVG)
+    try:
+        ours = ["3:aaaa", "4:bbbb", "5:cccc"]
+        votes = {"peer-1": "4:bbbb", "peer-2": "5:cccc", good.peer_id: "5:cccc"}
+        forked.offer_state(6, b"the fork's state of step 6", ["3:aaaa", "4:ffff", "5:eeee", "6:dddd"])
+        good.offer_state(5, b"the collaboration's state of step 5", ours)
+        with pytest.raises(StateError, match=f"{forked.peer_id}: ProtocolError: its state of step 6 rewrites step 4, "
+                                             f"which the collaboration took with other parameters \\(a fork\\): "
+                                             f"refused before its 26 bytes"):
+            newcomer.download_state([forked.peer_id], 5, timeout=30, votes=votes)
+        found = newcomer.download_state([forked.peer_id, good.peer_id], 5, timeout=30, votes=votes)
+        assert found == (5, b"the collaboration's state of step 5", good.peer_id)
+        # without votes (verify_sync off) the header is not judged
+        assert newcomer.download_state([forked.peer_id], 5, timeout=30)[0] == 6
+    finally:
+        for p in (newcomer, good, forked):
+            p.close()

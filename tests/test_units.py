@@ -284,7 +284,7 @@ def _view(*fps):
 
 
 def test_lineage_votes_count_only_steps_the_lineage_holds():
-    from dedloc.optim import lineage
+    from dedloc.state import lineage
     ours = {}
     for fp in ("3:a", "4:b", "5:c"):
         ours = lineage.extend(ours, fp)
@@ -301,7 +301,7 @@ def test_lineage_votes_count_only_steps_the_lineage_holds():
 
 
 def test_lineage_keeps_the_newest_steps_and_drops_a_rewritten_future():
-    from dedloc.optim import lineage
+    from dedloc.state import lineage
     ours = {}
     for s in range(lineage.KEEP + 10):
         ours = lineage.extend(ours, f"{s}:h{s}")
@@ -309,6 +309,10 @@ def test_lineage_keeps_the_newest_steps_and_drops_a_rewritten_future():
     again = lineage.extend(ours, "20:new")  # a state of step 20 replaces everything after it
     assert max(again) == 20 and again[20] == "20:new" and again[19] == "19:h19"
     assert lineage.extend(ours, "garbage") == ours and lineage.parse("x:1") is None
+    # as a state header carries it: a list of "t:h", at most KEEP, each well formed
+    assert lineage.from_list(["3:a", "4:b"]) == {3: "3:a", 4: "4:b"} and lineage.from_list([]) == {}
+    assert lineage.from_list(["3:a", 4]) is None and lineage.from_list("3:a") is None
+    assert lineage.from_list([f"{s}:h" for s in range(lineage.KEEP + 1)]) is None
 
 
 def test_the_global_step_is_led_by_peers_that_hold_the_state():

@@ -55,7 +55,7 @@ import torch
 
 from dedloc.config import OptimizerConfig
 from dedloc.errors import AveragingError, MatchmakingError, ProtocolError, RuntimeClosedError, StateError
-from dedloc.optim import lineage
+from dedloc.state import lineage
 from dedloc.optim.accumulator import GradientAccumulator
 from dedloc.optim.claims import ClaimBounds
 from dedloc.optim.scaling import CollaborativeScale
@@ -231,7 +231,8 @@ class CollaborativeOptimizer:
         if self._inflight is not None:
             self._finish_inflight()
         self._wanted = False
-        self.peer.offer_state(self.applied_step, snapshot.encode(self.state_dict()))
+        self.peer.offer_state(self.applied_step, snapshot.encode(self.state_dict()),
+                              [f for _, f in sorted(self._lineage.items())])
 
     def report(self) -> CollaborationView:
         """Publish this peer's progress now (step, samples, parameter hash) and read everyone's.
@@ -327,11 +328,12 @@ class CollaborativeOptimizer:
     def _start_catchup(self, step: int, reason: str) -> None:
         """Download the state of ``step`` (or later) in the background, in place of the update that
         this peer's parameters lack; keep accumulating for ``step`` meanwhile."""
-        donors = self._donors(self.peer.collaboration(), step)
+        view = self.peer.collaboration()
+        donors = self._donors(view, step)
         logger.info(f"{reason}; catching up: downloading the state of step >= {step} in the background, "
                     f"still accumulating for step {self.global_step}")
         self._catchup = _CatchUp(step, self.peer.download_state_async(donors, step, self.config.state_timeout,
-                                                                      self._max_state_bytes),
+                                                                      self._max_state_bytes, self._votes(view)),
                                  time.monotonic())
         self.catchups += 1
 
@@ -370,8 +372,8 @@ class CollaborativeOptimizer:
                     if wait:
                         time.sleep(0.5)  # a member whose round succeeded may not have published it yet
                     catchup = _CatchUp(catchup.min_step, self.peer.download_state_async(
-                        self._donors(view, catchup.min_step), catchup.min_step, FRESH_GRACE, self._max_state_bytes),
-                        catchup.started)
+                        self._donors(view, catchup.min_step), catchup.min_step, FRESH_GRACE, self._max_state_bytes,
+                        self._votes(view)), catchup.started)
                     if not wait:
                         self._catchup = catchup
                         return True
@@ -552,7 +554,7 @@ class CollaborativeOptimizer:
 
     def _disagrees(self, view: CollaborationView) -> bool:
         """This peer's parameters differ from the majority's at its step, or its recent history is
-        a fork that the live peers outvote (see optim/lineage.py)."""
+        a fork that the live peers outvote (see state/lineage.py)."""
         if not self.config.verify_sync or self._inflight is not None or self._catchup is not None:
             return False
         consensus = view.consensus_fingerprint(self.applied_step)
@@ -579,6 +581,10 @@ class CollaborativeOptimizer:
             return f"{int(state['step'])}:{snapshot.fingerprint(tensors)}"
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
+
+    def _votes(self, view: CollaborationView) -> dict[str, str] | None:
+        """The live peers' fingerprints, for refusing a forked donor at its state's header."""
+        return lineage.fingerprints(view) if self.config.verify_sync else None
 
     def _check_lineage(self, state: dict[str, Any], donor: str, view: CollaborationView) -> None:
         """Refuse (ProtocolError) a state whose history the live peers outvote: adopting it would
@@ -661,7 +667,8 @@ class CollaborativeOptimizer:
         while True:
             donors = [d for d in donors if d not in refused]
             try:
-                step, blob, donor = self.peer.download_state(donors, target, timeout, self._max_state_bytes)
+                step, blob, donor = self.peer.download_state(donors, target, timeout, self._max_state_bytes,
+                                                             self._votes(view))
                 state = snapshot.decode(blob)
                 self._check_lineage(state, donor, view)
             except ProtocolError as e:  # this donor's bytes are not a state, or not the collaboration's: try others

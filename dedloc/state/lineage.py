@@ -61,20 +61,50 @@ class Votes:
 
 def votes(lineage: dict[int, str], view: CollaborationView, exclude: str = "") -> Votes:
     """The live peers' votes on ``lineage`` (``exclude``: a peer id whose vote is not counted)."""
+    return votes_of(lineage, fingerprints(view), exclude)
+
+
+def fingerprints(view: CollaborationView) -> dict[str, str]:
+    """Each live peer's published fingerprint (peer id -> ``"t:h"``): the votes, in a form that
+    travels to the runtime process (which checks a donor's lineage before its state's bytes)."""
+    return {r.peer_id: r.fingerprint for r in view.peers if r.fingerprint}
+
+
+def votes_of(lineage: dict[int, str], published: dict[str, str], exclude: str = "") -> Votes:
+    """``votes`` over fingerprints already read (peer id -> ``"t:h"``)."""
     agree, disagree = [], []
-    for r in view.peers:
-        parsed = parse(r.fingerprint) if r.peer_id != exclude else None
+    for peer, fingerprint in published.items():
+        parsed = parse(fingerprint) if peer != exclude else None
         if parsed is None or parsed[0] not in lineage:
             continue
-        (agree if lineage[parsed[0]] == r.fingerprint else disagree).append(r.peer_id)
+        (agree if lineage[parsed[0]] == fingerprint else disagree).append(peer)
     return Votes(tuple(agree), tuple(disagree))
+
+
+def from_list(entries: object) -> dict[int, str] | None:
+    """A lineage sent as a list of ``"t:h"`` strings (a state header); None if malformed or longer
+    than KEEP."""
+    if not isinstance(entries, list) or len(entries) > KEEP:
+        return None
+    out: dict[int, str] = {}
+    for entry in entries:
+        parsed = parse(entry) if isinstance(entry, str) and len(entry) <= 128 else None
+        if parsed is None:
+            return None
+        out[parsed[0]] = entry
+    return out
 
 
 def first_conflict(lineage: dict[int, str], view: CollaborationView) -> int | None:
     """The earliest step at which a live peer's fingerprint contradicts ``lineage``."""
-    steps = [p[0] for r in view.peers if (p := parse(r.fingerprint)) is not None
-             and p[0] in lineage and lineage[p[0]] != r.fingerprint]
+    return first_conflict_of(lineage, fingerprints(view))
+
+
+def first_conflict_of(lineage: dict[int, str], published: dict[str, str]) -> int | None:
+    """``first_conflict`` over fingerprints already read (peer id -> ``"t:h"``)."""
+    steps = [p[0] for f in published.values() if (p := parse(f)) is not None and p[0] in lineage and lineage[p[0]] != f]
     return min(steps, default=None)
 
 
-__all__ = ["KEEP", "parse", "extend", "Votes", "votes", "first_conflict"]
+__all__ = ["KEEP", "parse", "extend", "Votes", "votes", "votes_of", "fingerprints", "from_list", "first_conflict",
+           "first_conflict_of"]

@@ -3,7 +3,9 @@
 Protocol ``dedloc.{run}.state``, over a direct connection where the donor grants one, else a
 libp2p stream (net/peer_connections.py): the requester sends ``{"v", "min_step"}`` (msgpack, as in
 net/rpc.py); the donor answers ``{"step", "size"}`` then ``size`` raw bytes paced by the
-requester's credits (net/bulk.py, as every bulk payload), or ``{"busy"}`` / ``{"error"}``. Guarantees:
+requester's credits (net/bulk.py, as every bulk payload), or ``{"busy"}`` / ``{"error"}``. The
+header also carries the state's ``lineage`` (state/lineage.py), so a requester refuses a fork before
+reading its bytes. Guarantees:
 - a donor serves at most ``max_uploads`` requesters at once and answers ``busy`` beyond that, so
   newcomers spread over donors (they try donors in random order);
 - when a requester wants a newer state than the donor has cached, the donor flags it as wanted;
@@ -32,6 +34,7 @@ from dedloc.errors import ProtocolError, StateError
 from dedloc.net import bulk, rpc
 from dedloc.net.node import Node
 from dedloc.net.transport import Transport
+from dedloc.state import lineage
 
 logger = logging.getLogger(__name__)
 UPLOAD_GRACE = 300.0
@@ -71,6 +74,8 @@ async def _receive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, s
 class _Cached:
     step: int
     blob: bytes
+    history: tuple[str, ...] = ()
+    """The state's lineage (``"t:h"`` per step, oldest first, its own fingerprint last)."""
 
 
 class StateServer:
@@ -91,10 +96,12 @@ class StateServer:
         if not self.node.config.client_mode:
             await self.transport.serve(self.proto, self._on_stream)
 
-    async def offer(self, step: int, blob: bytes) -> None:
+    async def offer(self, step: int, blob: bytes, history: list[str] | tuple[str, ...] = ()) -> None:
+        """Serve ``blob``, the state of ``step``; ``history``: its lineage (state/lineage.py), sent in the
+        header so that a requester can refuse a fork before its bytes."""
         async with self._offered:
             if self.cached is None or step >= self.cached.step:
-                self.cached = _Cached(step, blob)
+                self.cached = _Cached(step, blob, tuple(history)[-lineage.KEEP:])
             self.wanted = False
             self._offered.notify_all()
 
@@ -128,15 +135,17 @@ class StateServer:
             await rpc.write_message(writer, {"busy": True})
             return True
         async with self._uploads:
-            await rpc.write_message(writer, {"step": state.step, "size": len(state.blob)})
+            await rpc.write_message(writer, {"step": state.step, "size": len(state.blob), "lineage": list(state.history)})
             await bulk.send_paced(writer, reader, memoryview(state.blob), CHUNK)  # paced by the newcomer's credits
             await rpc.wait_peer_closed(reader, UPLOAD_GRACE)  # the newcomer closes once it has it all
             logger.info(f"sent the state of step {state.step} ({len(state.blob) / 1e6:.1f} MB) to {info.peer_id}")
         return False
 
     async def download(self, donors: list[str], min_step: int, timeout: float,
-                       max_bytes: int | None = None) -> tuple[int, bytes, str]:
-        """Fetch a state at step >= min_step from the first donor that has one, trying them in order."""
+                       max_bytes: int | None = None, votes: dict[str, str] | None = None) -> tuple[int, bytes, str]:
+        """Fetch a state at step >= min_step from the first donor that has one, trying them in order.
+        ``votes``: the live peers' fingerprints (state/lineage.py); a donor whose header lineage they
+        outvote (a fork) is refused before any byte of its state is read, and the next one tried."""
         deadline = time.monotonic() + timeout
         limit = min(max_bytes or MAX_STATE_BYTES, MAX_STATE_BYTES)
         reasons: list[str] = []
@@ -148,7 +157,8 @@ class StateServer:
                     reasons.append(f"{donor}: deadline passed")
                     break
                 try:
-                    step, blob = await asyncio.wait_for(self._download_from(donor, min_step, deadline, limit), left)
+                    step, blob = await asyncio.wait_for(
+                        self._download_from(donor, min_step, deadline, limit, votes), left)
                     return step, blob, donor
                 except Exception as e:  # any failure of one donor: try the next
                     reasons.append(f"{donor}: {type(e).__name__}: {e}")
@@ -158,7 +168,8 @@ class StateServer:
         raise StateError(f"could not download the state at step >= {min_step}: " + ("; ".join(reasons)
                          if reasons else "no donor is advertising it"))
 
-    async def _download_from(self, donor: str, min_step: int, deadline: float, limit: int) -> tuple[int, bytes]:
+    async def _download_from(self, donor: str, min_step: int, deadline: float, limit: int,
+                             votes: dict[str, str] | None) -> tuple[int, bytes]:
         header_by = min(deadline, time.monotonic() + HEADER_WAIT)
         reader, writer = await asyncio.wait_for(
             self.transport.open(donor, self.proto),
@@ -181,6 +192,13 @@ class StateServer:
             if size > limit:
                 raise ProtocolError(f"it announces a state of {size} bytes, more than this peer accepts "
                                     f"({limit} bytes: its own model's state, with room for the optimizer's)")
+            history = lineage.from_list(head.get("lineage", []))
+            if history is None:
+                raise ProtocolError(f"malformed lineage in the state header of step {step}")
+            if votes and lineage.votes_of(history, votes).outvoted(own=donor):
+                raise ProtocolError(f"its state of step {step} rewrites step {lineage.first_conflict_of(history, votes)}, "
+                                    f"which the collaboration took with other parameters (a fork): refused before "
+                                    f"its {size} bytes")
             return step, bytes(await _receive(reader, writer, size))
         finally:
             writer.close()
