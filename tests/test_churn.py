@@ -603,3 +603,51 @@ def test_a_forked_donor_is_refused_at_its_state_header():
     finally:
         for p in (newcomer, good, forked):
             p.close()
+
+
+def test_a_lead_that_ready_peers_never_joined_does_not_take_a_step_another_group_took(tmp_path):
+    """Found by the delayed-updates soak: a peer back from a freeze (smallest id) saw the others'
+    ready records but not yet their closed record (a leader stores it after answering its joiners),
+    led, waited for them in vain, and closed a group of one: its update was its own gradient, a fork
+    that lasted 22 steps. Now a leader that ready peers never joined looks at the closed records once
+    more before closing, and misses the step if another group took it."""
+    from dedloc.records import ClosedRecord, Member, ReadyRecord
+
+    rid = run_id()
+    identity, closer = tmp_path / "late.key", tmp_path / "closer.key"
+    peer = Peer(PeerConfig(run_id=rid), AVG)
+    try:
+        other = peer.peer_id
+        smallest = min(other, create_identity(closer))
+        for _ in range(64):  # the late peer must have the smallest id: it leads
+            identity.unlink(missing_ok=True)
+            if create_identity(identity) < smallest:
+                break
+        late = Peer(PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs), identity_path=str(identity)), AVG)
+    except BaseException:
+        peer.close()
+        raise
+    stored = threading.Event()
+
+    async def publish(node, finished):
+        async def closing():  # the other group's records: ready before the late peer looks, closed after
+            me = node.peer_id.to_base58()
+            await node.store(node.key("ready", 0), me, ReadyRecord(Member(me, 8.0, 1.0)).to_wire(), ttl=60)
+            while late.peer_id not in await node.get(node.key("ready", 0)):
+                await asyncio.sleep(0.05)
+            # the fault: the record lands while the late peer leads (its own checks at the start of
+            # matchmaking are over within milliseconds; it leads for matchmaking_time)
+            await asyncio.sleep(AVG.matchmaking_time / 4)
+            await node.store(node.key("closed", 0), me, ClosedRecord(me, (me, other)).to_wire(), ttl=60)
+            stored.set()
+        tasks.append(asyncio.create_task(closing()))
+
+    tasks: list = []
+    try:
+        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs), identity_path=str(closer)), publish):
+            with pytest.raises(MissedRoundError, match="closed without this peer"):
+                late.average(torch.ones(4), step=0, weight=8.0, expected_peers=2)
+            assert stored.is_set()
+    finally:
+        late.close()
+        peer.close()

@@ -261,6 +261,7 @@ class Matchmaker:
         state = _Lead({self.me: me})
         self._lead[step] = state
         self._decision(step).set()
+        ready: dict[str, Member] = {self.me: me}
         while loop.time() < close_deadline:
             try:  # a slow DHT (a dead or frozen node) must not hold the joiners past their deadline
                 ready = await asyncio.wait_for(self._ready(step, me), max(0.05, close_deadline - loop.time()))
@@ -287,6 +288,12 @@ class Matchmaker:
             if set(ready) - unreachable <= set(state.members) and (not expected or len(state.members) >= expected):
                 break
             await asyncio.sleep(POLL)
+        if set(ready) - self._unreachable.get(step, set()) - set(state.members):
+            # Ready peers never joined: they may have formed a group of their own before this peer's
+            # ready record reached them (it woke from a freeze, or its state download just ended),
+            # whose closed record was not yet stored when this peer looked at the start. Taking the
+            # step anyway would fork the collaboration (a group of one under delayed updates did).
+            await self._close_unless_taken(step, state)
         members = tuple(sorted(state.members.values(), key=lambda m: m.peer_id))
         subgroups = split_into_subgroups(members, self.config.max_group_size)
         if self.policy is not None and self.config.strategy == "partitioned":
@@ -308,6 +315,22 @@ class Matchmaker:
                         f"aggregators only); peers that missed it will form another")
         logger.debug(f"step {step}: led a group of {len(members)}")
         return group
+
+    async def _close_unless_taken(self, step: int, state: _Lead) -> None:
+        """Before closing a lead that some ready peers never joined: if another group closed the step
+        without this peer, tell its joiners they missed it and raise MissedRoundError (the closed
+        group holds the step's state). The look is bounded by a quarter of ``matchmaking_time``, so
+        the joiners still get their answer in time."""
+        try:
+            closed_by = await asyncio.wait_for(self._closed_without_me(step), self.config.matchmaking_time / 4)
+        except Exception as e:  # a slow DHT: close as before
+            logger.debug(f"step {step}: could not read the closed records before closing: {e!r}")
+            return
+        if closed_by:
+            state.done.set()  # no group: the joiners are told they missed the step, which is held
+            logger.info(f"step {step}: ready peers never joined this peer's lead; the round led by {closed_by} "
+                        f"already took the step")
+            self._missed(step, closed_by)
 
     async def _planned(self, members: tuple[Member, ...], subgroups: tuple[tuple[int, ...], ...],
                        numel: int) -> tuple[Member, ...]:

@@ -69,7 +69,7 @@ class Amendment:
             return
         c.check_weight(header, c.group.members[k])
         while not self.done.is_set() and self.agreed[self.turn] != k:
-            await self._wait()
+            await self._changed.wait()
         if self.done.is_set():
             return
         data = await c.read_part(reader, writer, header, self.j, k)
@@ -86,9 +86,6 @@ class Amendment:
         await write_contributors(writer, c.group.round_id, self.j, self.agreed, len(c.group.members))
         c.stats.add_sent(await write_frame(writer, Kind.RESULT, c.group.round_id, self.j, self.total_weight,
                                            c.to_wire(self.out), c.chunk_bytes, reader), f"a{self.j}>{k}")
-
-    async def _wait(self) -> None:
-        await self._changed.wait()
 
     def _notify(self) -> None:
         self._changed.set()
