@@ -20,6 +20,8 @@ Protocol (docs/averaging.md has the reasoning):
    record. Otherwise a round that failed for every member kept the step closed for everyone until
    its records expired: each retry was "missed" again, and nobody took the step (60-70 s stalls in
    the soak on a loaded machine).
+6. A leader that some ready peers never joined reads the ``closed`` records once more before it
+   closes, and misses the step if another group took it (instead of taking it alone: a fork).
 
 Guarantees: a peer is in at most one group per step (it sends at most one join whose outcome
 is unknown, and a leader's group is final once sent); every call returns or raises within
