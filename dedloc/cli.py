@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import faulthandler
 import inspect
 import json
 import os
@@ -92,6 +93,8 @@ def _recipe_named(argv: list[str] | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack
     from dedloc.config import PUBLIC_HOST_MADDRS, AveragingConfig, BackboneConfig, MonitorConfig, PeerConfig
     from dedloc.data.mlm import DataConfig
     from dedloc.data.tokenizer import TokenizerConfig

@@ -279,8 +279,10 @@ def test_join_requests_for_far_steps_cannot_crowd_out_the_current_step(make_peer
         return answers
 
     answers = asyncio.run(flood(peers[0].maddrs))
-    # each is refused by name: by matchmaking, or (beyond 32 at once from one peer) by the stream limits
-    limited = [a for a in answers if isinstance(a, ProtocolError) and "too many streams from this peer" in str(a)]
+    # each is refused by name: by matchmaking, or (beyond 32 at once from one peer) by the stream limits,
+    # whose refusal a flooded daemon may reset before it arrives (a ConnectionError)
+    limited = [a for a in answers if isinstance(a, ConnectionError) or
+               isinstance(a, ProtocolError) and "too many streams from this peer" in str(a)]
     assert all(a in limited or "is not near this peer's step 0" in a.get("error", "") for a in answers), \
         answers[:3]
     for step in (1, 2):

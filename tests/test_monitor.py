@@ -215,10 +215,11 @@ def test_a_peer_serves_its_own_metrics_and_its_daemons(collab):
     assert b"libp2p" in _get(f"http://127.0.0.1:{collab.metrics_port + 1}/metrics")
 
 
-def test_dedloc_monitor_serves_the_page_and_leaves_nothing_on_ctrl_c(collab):
+def test_dedloc_monitor_serves_the_page_and_leaves_nothing_on_ctrl_c(collab, tmp_path):
+    err = open(tmp_path / "monitor.err", "w+")
     monitor = subprocess.Popen([sys.executable, "-m", "dedloc.cli", "monitor", "--run-id", collab.rid,
-                                "--initial-peers", *collab.bb.maddrs, "--port", "0", "--log-level", "WARNING"],
-                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+                                "--initial-peers", *collab.bb.maddrs, "--port", "0", "--log-level", "INFO"],
+                               stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     try:
         line = ""
         while "dashboard at" not in line:
@@ -228,9 +229,16 @@ def test_dedloc_monitor_serves_the_page_and_leaves_nothing_on_ctrl_c(collab):
         assert url.startswith("http://127.0.0.1:")
         _until("the monitor seeing every peer", lambda: len(collab.state(url)["peers"]) == 4)
         monitor.send_signal(signal.SIGINT)
-        assert monitor.wait(60) == 0
+        try:
+            assert monitor.wait(60) == 0
+        except subprocess.TimeoutExpired:  # say where it hangs: the CLI dumps every thread's stack on SIGUSR1
+            monitor.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            err.seek(0)
+            pytest.fail("dedloc monitor did not exit within 60 s of Ctrl+C:\n" + err.read()[-6000:])
         assert sessions_alive([monitor.pid]) == [], "dedloc monitor left a process behind"
     finally:
+        err.close()
         if monitor.poll() is None:
             os.killpg(monitor.pid, signal.SIGKILL)
             monitor.wait()

@@ -77,6 +77,13 @@ def test_two_trainers_then_a_restart_resumes_identity_state_and_data(tmp_path):
         def finish(proc):
             try:
                 out, _ = proc.communicate(timeout=150)
+            except subprocess.TimeoutExpired:  # say where it hangs: the CLI dumps every thread's stack on SIGUSR1
+                proc.send_signal(signal.SIGUSR1)
+                try:
+                    out, _ = proc.communicate(timeout=5)
+                except subprocess.TimeoutExpired as e:
+                    out = (e.output or b"").decode(errors="replace") if isinstance(e.output, bytes) else (e.output or "")
+                pytest.fail(f"dedloc train did not exit within 150 s:\n{out[-8000:]}")
             finally:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
