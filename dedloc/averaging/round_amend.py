@@ -231,9 +231,7 @@ class AmendRole:
         member = c.group.members[k]
         part = None
         try:
-            agreed = await read_contributors(reader, header, len(c.group.members))
-            if not agreed or any(c.group.members[i].weight <= 0 for i in agreed):
-                raise ProtocolError(f"named contributors {list(agreed)}: empty, or with a member of weight 0")
+            agreed = c.check_contributors(await read_contributors(reader, header, len(c.group.members)), j)
             part = self.state(j, agreed)
             request = await read_header(reader)
             if request.kind != Kind.AMEND or request.part != j:

@@ -30,6 +30,11 @@ logger = logging.getLogger(__name__)
 OpenStream = Callable[[str], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
 
+def _differs(weight: float, agreed: float) -> bool:
+    """Whether a weight is not the one agreed when the group formed (beyond float noise)."""
+    return abs(weight - agreed) > 1e-6 * max(1.0, agreed)
+
+
 class RoundStats:
     def __init__(self) -> None:
         self.failovers = 0
@@ -111,7 +116,7 @@ class RoundCore:
         agreed = group.members[me].weight
         self.own_refused: str | None = None
         """Why this member's own contribution is left out of every part (None: it is not)."""
-        if weight > 0 and abs(weight - agreed) > 1e-6 * max(1.0, agreed):
+        if weight > 0 and _differs(weight, agreed):
             # e.g. a join whose answer came too late: the leader kept it in the group, and the peer,
             # having dropped those gradients, joined again with new ones. The other aggregators refuse
             # its contributions for the weight; its own part must leave it out too
@@ -149,8 +154,16 @@ class RoundCore:
     @staticmethod
     def check_weight(header: Header, member: Member) -> None:
         """A contribution must carry the weight the member declared when the group formed."""
-        if abs(header.weight - member.weight) > 1e-6 * max(1.0, member.weight):
+        if _differs(header.weight, member.weight):
             raise ProtocolError(f"weight {header.weight} differs from the agreed {member.weight}")
+
+    def check_contributors(self, contributors: tuple[int, ...], part: int) -> tuple[int, ...]:
+        """A contributor set a peer sent for ``part``; ProtocolError if it is empty or names a member
+        with weight 0 (who has nothing to contribute)."""
+        if not contributors or any(self.group.members[i].weight <= 0 for i in contributors):
+            raise ProtocolError(f"the contributor set {list(contributors)} of part {part} is empty or names a "
+                                f"member with weight 0")
+        return contributors
 
     def contribution(self, part: int) -> torch.Tensor | None:
         if self.weight <= 0:
@@ -239,9 +252,7 @@ class RoundCore:
             raise AveragingError(f"peer {self.name(who)} answered: {await read_error_text(reader, header)}")
         if header.kind != Kind.CONTRIBUTORS or header.part != part:
             raise ProtocolError(f"expected CONTRIBUTORS for part {part}, got {header.kind.name} for part {header.part}")
-        contributors = await read_contributors(reader, header, len(self.group.members))
-        if any(self.group.members[i].weight <= 0 for i in contributors):
-            raise ProtocolError(f"the contributor set of part {part} names a member with weight 0")
+        contributors = self.check_contributors(await read_contributors(reader, header, len(self.group.members)), part)
         header = await read_header(reader)
         if header.kind != Kind.RESULT or header.part != part:
             raise ProtocolError(f"expected RESULT for part {part}, got {header.kind.name} for part {header.part}")
