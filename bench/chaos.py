@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dedloc.testing.procs import children, session_pids, sessions_alive
+from dedloc.testing.procs import children, cli_command, session_pids, sessions_alive
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -114,8 +114,9 @@ class Soak:
         return Proc(name, popen, time.time())
 
     def _role(self, role: str, extra: list[str]) -> tuple[Proc, list[str]]:
-        proc = self._spawn(role, [sys.executable, "-m", "dedloc.cli", role, "--run-id", self.run_id,
-                                  "--identity-path", os.path.join(self.dir, f"{role}.key"), *extra], pipe=True)
+        proc = self._spawn(role, cli_command(role, "--run-id", self.run_id,
+                                              "--identity-path", os.path.join(self.dir, f"{role}.key"), *extra),
+                           pipe=True)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             line = proc.popen.stdout.readline()

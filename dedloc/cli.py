@@ -92,9 +92,20 @@ def _recipe_named(argv: list[str] | None) -> str:
     return pre.parse_known_args(argv)[0].recipe
 
 
+def _dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's stack to stderr: where a peer hangs. Only in a process's
+    main thread with a real stderr file (not when ``main`` is called in-process under captured output)."""
+    if not hasattr(signal, "SIGUSR1") or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
-        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack
+    _dump_stacks_on_sigusr1()
     from dedloc.config import PUBLIC_HOST_MADDRS, AveragingConfig, BackboneConfig, MonitorConfig, PeerConfig
     from dedloc.data.mlm import DataConfig
     from dedloc.data.tokenizer import TokenizerConfig

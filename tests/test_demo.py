@@ -2,17 +2,18 @@
 
 import json
 import subprocess
-import sys
 
 import pytest
+
+from dedloc.testing.procs import cli_command
 
 
 @pytest.mark.timeout(280)
 def test_demo_trains_and_writes_summary_and_plot(tmp_path):
-    cmd = [sys.executable, "-m", "dedloc.cli", "demo", "--steps", "8", "--target-batch-size", "32",
-           "--micro-batch", "8", "--hidden-size", "32", "--heads", "2", "--layers", "1", "--vocab-size", "400",
-           "--corpus-files", "200", "--slowdown", "0.05", "--lr", "0.01", "--out", str(tmp_path), "--verbose",
-           "--invite-only"]  # every peer checks the others' invitations: the whole membership path, training
+    cmd = cli_command("demo", "--steps", "8", "--target-batch-size", "32", "--micro-batch", "8", "--hidden-size",
+                      "32", "--heads", "2", "--layers", "1", "--vocab-size", "400", "--corpus-files", "200",
+                      "--slowdown", "0.05", "--lr", "0.01", "--out", str(tmp_path), "--verbose",
+                      "--invite-only")  # every peer checks the others' invitations: the whole membership path, training
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=260)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -11,7 +11,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -24,7 +23,7 @@ from dedloc.monitor.ledger import Ledger
 from dedloc.peer import Peer
 from dedloc.records import CreditRecord, LedgerRecord, ProgressRecord, Role, RoundReport
 from dedloc.roles.backbone import Backbone
-from dedloc.testing.procs import sessions_alive
+from dedloc.testing.procs import sessions_alive, spawn_cli
 
 from conftest import run_id
 
@@ -217,9 +216,8 @@ def test_a_peer_serves_its_own_metrics_and_its_daemons(collab):
 
 def test_dedloc_monitor_serves_the_page_and_leaves_nothing_on_ctrl_c(collab, tmp_path):
     err = open(tmp_path / "monitor.err", "w+")
-    monitor = subprocess.Popen([sys.executable, "-m", "dedloc.cli", "monitor", "--run-id", collab.rid,
-                                "--initial-peers", *collab.bb.maddrs, "--port", "0", "--log-level", "INFO"],
-                               stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+    monitor = spawn_cli("monitor", "--run-id", collab.rid, "--initial-peers", *collab.bb.maddrs, "--port", "0",
+                        "--log-level", "INFO", stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         line = ""
         while "dashboard at" not in line:

@@ -8,13 +8,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from dedloc.cli import main
-from dedloc.testing.procs import children, processes
+from dedloc.testing.procs import children, processes, spawn_cli
 
 from conftest import run_id
 
@@ -44,20 +43,15 @@ def alive(pids):
         time.sleep(0.1)
 
 
-def dedloc(*args):
-    return [sys.executable, "-m", "dedloc.cli", *args]
-
-
 @pytest.mark.timeout(280)
 def test_two_trainers_then_a_restart_resumes_identity_state_and_data(tmp_path):
     corpus(tmp_path / "corpus.jsonl")
     assert main(["tokenizer", "--data", str(tmp_path / "corpus.jsonl"), "--vocab-size", "200",
                  "--out", str(tmp_path / "tok")]) == 0
     run = run_id()
-    backbone = subprocess.Popen(dedloc("backbone", "--run-id", run, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                                       "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "2",
-                                       "--log-level", "WARNING"),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    backbone = spawn_cli("backbone", "--run-id", run, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                         "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "2",
+                         "--log-level", "WARNING", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = backbone.stdout.readline()
         maddr = re.search(r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", line)
@@ -69,10 +63,9 @@ def test_two_trainers_then_a_restart_resumes_identity_state_and_data(tmp_path):
 
         def trainer(i, steps):
             limit = ["--max-steps", str(steps)] if steps else []
-            return subprocess.Popen(dedloc("train", *common, "--state-dir", str(tmp_path / f"peer{i}"), *limit,
-                                           "--out", str(tmp_path / f"out{i}-{steps}")),
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)
+            return spawn_cli("train", *common, "--state-dir", str(tmp_path / f"peer{i}"), *limit,
+                             "--out", str(tmp_path / f"out{i}-{steps}"),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
         def finish(proc):
             try:

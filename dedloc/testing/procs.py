@@ -6,7 +6,10 @@ Only reads /proc (Linux). Zombies (exited, waiting to be reaped) count as gone.
 from __future__ import annotations
 
 import os
-from typing import Iterable
+import signal
+import subprocess
+import sys
+from typing import Any, Iterable
 
 
 def processes() -> list[tuple[int, int, int, str]]:
@@ -47,4 +50,19 @@ def session_pids(sid: int) -> list[int]:
     return [p for p, _, s, _ in processes() if s == sid]
 
 
-__all__ = ["processes", "sessions_alive", "children", "session_pids"]
+def cli_command(*args: str) -> list[str]:
+    """The command line running ``dedloc ARGS`` with this interpreter."""
+    return [sys.executable, "-m", "dedloc.cli", *args]
+
+
+def _interruptible() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python then installs its KeyboardInterrupt handler
+
+
+def spawn_cli(*args: str, **popen: Any) -> subprocess.Popen:
+    """``dedloc ARGS`` in a new session, answering SIGINT as a terminal's Ctrl+C would even when this
+    process was started with SIGINT ignored (a background job), which children otherwise inherit."""
+    return subprocess.Popen(cli_command(*args), start_new_session=True, preexec_fn=_interruptible, **popen)
+
+
+__all__ = ["processes", "sessions_alive", "children", "session_pids", "cli_command", "spawn_cli"]
