@@ -66,6 +66,9 @@ class ProgressRecord:
     resyncs: int = 0
     """State downloads this peer made to rejoin (its optimizer's count since it started)."""
     catchups: int = 0
+    syncing: bool = False
+    """Downloading the collaboration's state (a resync): it accumulates nothing and joins no round
+    until it holds that state, whatever ``step`` says."""
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
@@ -82,7 +85,7 @@ class ProgressRecord:
                       busy_until=float(obj.get("busy_until", 0.0)), fingerprint=str(obj.get("fingerprint", "")),
                       loss=float(obj.get("loss", 0.0)), loss_step=int(obj.get("loss_step", -1)),
                       loss_samples=int(obj.get("loss_samples", 0)), resyncs=int(obj.get("resyncs", 0)),
-                      catchups=int(obj.get("catchups", 0)))
+                      catchups=int(obj.get("catchups", 0)), syncing=obj.get("syncing", False) is True)
         except (KeyError, TypeError, ValueError, AttributeError):
             logger.debug(f"ignoring malformed progress record from {peer_id}")
             return None
@@ -130,8 +133,9 @@ class CollaborationView:
         return sum(r.samples for r in self.current)
 
     def trainers_at(self, step: int) -> tuple[ProgressRecord, ...]:
-        """Training peers (trainers and clients) accumulating for ``step``."""
-        return tuple(r for r in self.peers if r.step == step and r.role.trains)
+        """Training peers (trainers and clients) accumulating for ``step``: not those resyncing, which
+        may publish ``step`` for minutes while they wait for a later state."""
+        return tuple(r for r in self.peers if r.step == step and r.role.trains and not r.syncing)
 
     @property
     def aggregators(self) -> tuple[ProgressRecord, ...]:

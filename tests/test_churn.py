@@ -15,6 +15,7 @@ from dedloc.net.identity import create_identity
 from dedloc.optim import CollaborativeOptimizer
 from dedloc.optim.optimizer import StepOutcome
 from dedloc.peer import Peer
+from dedloc.records import ProgressRecord, Role
 
 from conftest import bare_node, run_id
 from test_optimizer import Trainer, join_all, make_model, make_opt
@@ -198,13 +199,22 @@ def test_a_fork_is_refused_and_the_forked_peer_steps_back():
 def test_a_step_lost_by_every_member_is_skipped_by_all():
     """Delayed updates: when a round fails for every member (a ring member killed mid-round), nobody
     holds the next state. The members agree that the step is lost and go on, identical, from the
-    state they share, instead of waiting state_timeout for a donor and raising StateError."""
+    state they share, instead of waiting state_timeout for a donor and raising StateError.
+
+    A fourth peer is resyncing all along, publishing step 2 (the soak: a peer that waited for a later
+    state kept the others waiting state_timeout, counted as one that "may still take" the lost step):
+    it must not hold up the decision. state_timeout exceeds the test's wait, so waiting on it fails."""
     torch.set_num_threads(1)
     rid = run_id()
     avg = AveragingConfig(matchmaking_time=2, averaging_timeout=10, strategy="ring", probe_interval=0)
     peers = [Peer(PeerConfig(run_id=rid), avg)]
-    peers += [Peer(PeerConfig(run_id=rid, initial_peers=tuple(peers[0].maddrs)), avg) for _ in range(2)]
-    cfg = OptimizerConfig(target_batch_size=48, delay_updates=True, state_timeout=60)
+    peers += [Peer(PeerConfig(run_id=rid, initial_peers=tuple(peers[0].maddrs)), avg) for _ in range(3)]
+    cfg = OptimizerConfig(target_batch_size=48, delay_updates=True, state_timeout=400)
+    resyncing = threading.Event()
+
+    def publish_resyncing() -> None:  # what a peer inside _resync publishes
+        while not resyncing.wait(0.5):
+            peers[3].report(ProgressRecord(peers[3].peer_id, 2, 0, 0.0, Role.TRAINER, time=time.time(), syncing=True))
     results: dict[int, dict] = {}
     done = threading.Barrier(2, timeout=120)
 
@@ -230,16 +240,19 @@ def test_a_step_lost_by_every_member_is_skipped_by_all():
             results[i] = {"error": e}
 
     threads = [threading.Thread(target=train, args=(i,), daemon=True) for i in range(3)]
+    threads.append(threading.Thread(target=publish_resyncing, daemon=True))
     try:
-        for t in threads:
+        for t in threads[:3]:
             t.start()
         deadline = time.monotonic() + 120
         while not any(peers[2].peer_id in m for m in peers[0].closed_round(2).values()):
             assert time.monotonic() < deadline, "step 2's group never formed"
             time.sleep(0.01)
+        threads[3].start()  # from here on, peer 3 publishes step 2 while it waits for a later state
         peers[2].runtime.kill()  # mid-round: the ring cannot complete for anyone
         for t in threads[:2]:
             t.join(200)
+        assert not any(t.is_alive() for t in threads[:2]), "the survivors are still waiting for a donor"
         assert "error" not in results[0] and "error" not in results[1], results
         a, b = results[0], results[1]
         # each survivor skipped step 2 itself, or took it skipped inside the other's state
@@ -255,6 +268,9 @@ def test_a_step_lost_by_every_member_is_skipped_by_all():
                 if skipped and step + 1 in r["prints"] and step in r["prints"]:  # parameters as they were
                     assert r["prints"][step].split(":")[1] == r["prints"][step + 1].split(":")[1]
     finally:
+        resyncing.set()
+        if threads[3].is_alive():
+            threads[3].join(10)
         for p in peers:
             p.close()
 

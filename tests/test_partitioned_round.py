@@ -6,6 +6,7 @@ it before the backup has confirmed that it holds a copy.
 """
 
 import asyncio
+from typing import Callable
 
 import pytest
 import torch
@@ -35,9 +36,11 @@ class RefusingBackup(PartitionedRound):
     member_role = RefusingMember
 
 
-async def run_rounds(group: Group, xs: list[torch.Tensor], kinds: list[type], timeout: float = 20.0):
+async def run_rounds(group: Group, xs: list[torch.Tensor], kinds: list[type], timeout: float = 20.0,
+                     out_of_reach: Callable[[PartitionedRound, str], bool] = lambda rnd, peer: False):
     """Run one round per member, connected by in-process socket pairs (net/transport.LocalPairs);
-    returns (outputs or errors, rounds)."""
+    returns (outputs or errors, rounds). A stream that ``out_of_reach(round, peer)`` names fails to
+    open, as a paused peer's hello does."""
     pairs = LocalPairs()
     rounds: list[PartitionedRound] = []
 
@@ -46,10 +49,17 @@ async def run_rounds(group: Group, xs: list[torch.Tensor], kinds: list[type], ti
             return await rounds[i].handle(info.peer_id.to_base58(), await read_header(reader), reader, writer)
         return handler
 
+    def opener(i: int, me):
+        async def open_stream(peer: str):
+            if out_of_reach(rounds[i], peer):
+                raise ConnectionError(f"peer {peer} did not answer the hello")
+            return await me.open(peer, PROTO)
+        return open_stream
+
     for i, kind in enumerate(kinds):
         me = pairs.transport(group.members[i].peer_id)
         await me.serve(PROTO, serve(i))
-        rounds.append(kind(group, i, xs[i], group.members[i].weight, lambda peer, t=me: t.open(peer, PROTO), timeout))
+        rounds.append(kind(group, i, xs[i], group.members[i].weight, opener(i, me), timeout))
     try:
         outs = await asyncio.gather(*(r.run() for r in rounds), return_exceptions=True)
         await pairs.close(timeout)
@@ -331,3 +341,60 @@ def test_in_a_verified_round_the_backup_serves_its_recomputation_at_once(caplog)
     torch.testing.assert_close(outs[1], ref, atol=1e-5, rtol=1e-5)
     assert "serving our recomputation of part 0" in caplog.text and "re-reduced part 0" not in caplog.text
     assert [r.stats.failovers for r in rounds] == [0, 1, 1, 1]
+
+
+class PausedPull(MemberRole):
+    """Backs up part 0 and is paused (SIGSTOP) while it reads part 0: its pull neither reads nor
+    confirms before the result deadline."""
+
+    async def exchange(self, j):
+        if j != 0:
+            return await super().exchange(j)
+        c, read_result = self.c, self.c.read_result
+
+        async def paused(reader, writer, part, who):
+            if part == 0:
+                await asyncio.sleep(c.result_deadline - asyncio.get_running_loop().time() + 1)
+            return await read_result(reader, writer, part, who)
+
+        c.read_result = paused  # this member's pulls only (its own core)
+        try:
+            await super().exchange(j)
+        finally:
+            del c.read_result
+
+
+class PausedBackup(PartitionedRound):
+    member_role = PausedPull
+
+
+def test_a_paused_backup_leaves_the_part_to_its_aggregator_not_to_a_second_reduction(caplog):
+    """Member 1 backs up part 0 and is paused while it pulls it, past the result deadline: aggregator
+    0 never gets its confirmation, so it withholds the end of every other copy. Members 2 and 3 fail
+    over, cannot reach member 1, and ask aggregator 0, which serves its finished part (before, it
+    refused: the soak's 141 s stall). Member 1's own pull failed: it fetches part 0 again from the
+    aggregator instead of re-reducing it alone. Every member ends with the same exact mean."""
+    numel = 3_000_001  # parts of 3 MB: more than a window of credits, so the paused pull holds part 0 back
+    group = Group(RID, 0, tuple(Member(f"p{i}", float(i + 1), 1.0) for i in range(4)))
+    assert group.backup(0) == 1
+    gen = torch.Generator().manual_seed(17)
+    xs = [torch.randn(numel, generator=gen) for _ in range(4)]
+    ref = sum((i + 1) * x for i, x in enumerate(xs)) / 10
+
+    def paused(rnd, peer):  # member 1 answers nobody once the others give up on their copies
+        return peer == "p1" and asyncio.get_running_loop().time() >= rnd.core.result_deadline
+
+    with caplog.at_level("INFO", logger="dedloc.averaging"):
+        outs, rounds = asyncio.run(run_rounds(group, xs, [PartitionedRound, PausedBackup] + [PartitionedRound] * 2,
+                                              timeout=8.0, out_of_reach=paused))
+
+    for out in outs:
+        assert isinstance(out, torch.Tensor), out
+        assert torch.equal(out, outs[0])
+    torch.testing.assert_close(outs[0], ref, atol=1e-5, rtol=1e-5)
+    for k in (2, 3):
+        assert f"served our part 0 to p{k} after the result deadline (its backup was out of reach)" in caplog.text
+        assert "f0>0" in labels(rounds[k]) and rounds[k].stats.failovers == 1
+    assert "served our part 0 to p1 after the result deadline (a second pull)" in caplog.text
+    assert "serving aggregator p0's result for part 0, fetched again" in caplog.text
+    assert "re-reduced part 0" not in caplog.text

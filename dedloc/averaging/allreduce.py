@@ -15,7 +15,9 @@ Guarantees:
   peer); after that, the aggregator abandons the part, cuts its result streams, and every
   member fails the part over to its backup, which re-reduces it without the failed sender;
 - an aggregator that dies is replaced by the next aggregator (its backup), which serves the
-  aggregator's result if it got it and otherwise re-reduces the part from re-sent contributions.
+  aggregator's result if it got it (or can fetch it again) and otherwise re-reduces the part from
+  re-sent contributions; a member that cannot reach the backup asks the aggregator, which serves
+  its finished part past the result deadline.
   The aggregator sends its result to all members at once, but holds back the last credit unit of
   every copy except the backup's until the backup ACKs: nobody else can complete the part first;
 - every part of a member's result averages one and the same contributor set (``stats.contributors``):
@@ -130,10 +132,12 @@ class PartitionedRound:
         if header.kind == Kind.CONTRIB and agg is not None:
             return await agg.serve_contribution(k, header, reader, writer)
         if header.kind == Kind.PULL and agg is not None and header.part == self.me:
-            return await agg.serve_result(k, reader, writer)
+            return await agg.serve_result(k, header, reader, writer)
         abandoned = header.part == self.me and agg is not None and agg.abandoned
         if header.kind == Kind.FAILOVER and (self.group.backup(header.part) == self.me or abandoned):
             return await self.failover.serve(k, header, reader, writer)
+        if header.kind == Kind.FAILOVER and header.part == self.me and agg is not None and agg.final:
+            return await agg.serve_final(k, header, reader, writer)  # the member cannot reach our backup
         if header.kind == Kind.CHECK and self.verifier.checks(header.part):
             return await self.verifier.serve_copy(k, header, reader, writer)
         if header.kind == Kind.VERDICT and self.verifier.checks(header.part):

@@ -21,8 +21,8 @@ import torch
 from dedloc.averaging.round_core import RoundCore
 from dedloc.averaging.round_member import MemberRole
 from dedloc.averaging.streamed_part import PartAbandoned, StreamedPart
-from dedloc.averaging.wire import Header, Kind, read_error_text, read_header, write_contributors, write_error, \
-    write_frame
+from dedloc.averaging.wire import Header, Kind, ProtocolError, read_error_text, read_header, write_contributors, \
+    write_error, write_frame
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +108,46 @@ class AggregatorRole:
         """Read member ``k``'s contribution into the streamed part as it arrives (RoundCore.serve_streamed)."""
         return await self.c.serve_streamed(self.part, self.c.me, k, header, reader, writer)
 
-    async def serve_result(self, k: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """Stream our part to member ``k`` as it is produced (see the module doc)."""
+    @property
+    def final(self) -> bool:
+        """Our part is produced, not abandoned, and ours to hand on after the result deadline (not in a
+        verified round: there the backup's verdict decides)."""
+        have = self.c.have[self.c.me]
+        return not self.c.group.verify and have.done() and have.result()
+
+    async def serve_final(self, k: int, header: Header, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> bool:
+        """Answer member ``k``'s late request for our finished part (past the result deadline): the
+        backup fetching it once more before it would re-reduce (a PULL), or a member whose copy was
+        withheld or cut and who cannot reach the backup (a FAILOVER, whose re-sent contribution is read
+        and dropped). Serving the one result we hold keeps every member's copy of the part identical:
+        the backup, whose own pull failed, fetches this copy before it re-reduces (round_failover)."""
+        c = self.c
+        if not self.final:
+            await write_error(writer, c.group.round_id, f"part {c.me} is not final here")
+            return True
+        try:
+            if header.kind == Kind.FAILOVER and header.numel > 0:
+                c.pool.give(await c.read_part(reader, writer, header, c.me, k))
+            await c.send_result(reader, writer, c.me, c.stats.part_weights[c.me], k)
+        except ProtocolError as e:
+            await write_error(writer, c.group.round_id, str(e))
+            return True
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            logger.debug(f"{c.prefix()}: could not deliver part {c.me} late to {c.name(k)}: {e!r}")
+            return False
+        finally:
+            self._delivered(k)
+        logger.info(f"{c.prefix()}: served our part {c.me} to {c.name(k)} after the result deadline "
+                    f"({'a second pull' if header.kind == Kind.PULL else 'its backup was out of reach'})")
+        return True
+
+    async def serve_result(self, k: int, header: Header, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> bool:
+        """Stream our part to member ``k`` as it is produced (see the module doc); past the result
+        deadline, answer with the finished part (``serve_final``)."""
+        if asyncio.get_running_loop().time() >= self.c.result_deadline:
+            return await self.serve_final(k, header, reader, writer)
         is_backup = self.c.group.backup(self.c.me) == k
         if is_backup:
             self._backup_connected = True

@@ -2,9 +2,11 @@
 
 When members fail part ``j`` over to this member (its backup), it serves the result it already
 pulled from the aggregator if it has it (in a verified round: if it passed verification); in a
-verified round, otherwise its own recomputation of the part; otherwise it re-reduces the part
-from the contributions the members re-send (FAILOVER frames), waiting for every sender but the
-failed aggregator until the failover deadline. Each part's failover runs as a task this role owns; ``close()`` cancels them.
+verified round, otherwise its own recomputation of the part; otherwise it asks the aggregator
+for its finished part once more (our pull may have failed only because this peer was paused),
+and only if that fails re-reduces the part from the contributions the members re-send (FAILOVER
+frames), waiting for every sender but the failed aggregator until the failover deadline. Each
+part's failover runs as a task this role owns; ``close()`` cancels them.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import logging
 from dedloc.averaging.accumulator import PartAccumulator
 from dedloc.averaging.round_core import RoundCore
 from dedloc.averaging.round_verifier import VerifierRole
-from dedloc.averaging.wire import Header, ProtocolError, write_error
+from dedloc.averaging.wire import Header, Kind, ProtocolError, write_error, write_frame
 
 logger = logging.getLogger(__name__)
+REFETCH_WAIT = 2.0
+"""How long a backup whose pull failed tries to reach the aggregator again before it re-reduces."""
 
 
 class Failover:
@@ -63,6 +67,12 @@ class FailoverRole:
                                 f"{c.name(j)}'s result")
                     return
                 c.add_own(state.acc, j)
+                refetch = asyncio.create_task(self._refetch(j))
+                try:
+                    if await refetch:
+                        return
+                finally:
+                    refetch.cancel()
                 await state.acc.wait(c.failover_deadline)
                 mean = state.acc.finish()
                 c.output[s:e] = c.rounded(mean)
@@ -76,6 +86,32 @@ class FailoverRole:
         finally:
             self.verifier.settle(j, state.error)
             state.ready.set()
+
+    async def _refetch(self, j: int) -> bool:
+        """Fetch aggregator ``j``'s finished part once more (our pull failed: e.g. this peer was paused
+        past the result deadline, and the aggregator gave up waiting for our confirmation). While it
+        is alive and holds the part, serving that copy keeps every member's part ``j`` identical:
+        members that cannot reach us fetch the same copy from it; a re-reduction would differ. False
+        within REFETCH_WAIT if it is gone or frozen, or at once if it does not hold a final part."""
+        c = self.c
+        try:
+            async with asyncio.timeout(REFETCH_WAIT):
+                reader, writer = await c.open_stream(c.name(j))
+        except Exception as e:
+            logger.debug(f"{c.prefix()}: could not fetch part {j} again from {c.name(j)}: {e!r}")
+            return False
+        try:
+            async with asyncio.timeout_at(c.failover_deadline):
+                await write_frame(writer, Kind.PULL, c.group.round_id, j)
+                await c.read_result(reader, writer, j, j)
+        except Exception as e:
+            logger.debug(f"{c.prefix()}: could not fetch part {j} again from {c.name(j)}: {e!r}")
+            return False
+        finally:
+            writer.close()
+        logger.info(f"{c.prefix()}: serving aggregator {c.name(j)}'s result for part {j}, fetched again after "
+                    f"our first pull failed (not re-reduced: members that cannot reach us get the same copy)")
+        return True
 
     async def serve(self, k: int, header: Header, reader: asyncio.StreamReader,
                     writer: asyncio.StreamWriter) -> bool:

@@ -3,7 +3,8 @@
 For each other aggregator ``j`` a member opens two streams at once: one sends its contribution
 to part ``j`` (if it has weight), the other pulls part ``j``'s result. If the result does not come
 whole before the result deadline, the member fails the part over to its backup (or, if the
-backup cannot be reached and the part was abandoned, to its aggregator). Failure of one part is
+backup cannot be reached, to its aggregator: it re-reduces a part it abandoned, and serves one
+it finished). Failure of one part is
 that part's error; the caller (PartitionedRound.run) owns the tasks and gathers them.
 """
 
@@ -127,8 +128,8 @@ class MemberRole:
         if b is None:
             raise AveragingError(f"{who} ({reason}) and part {j} has no backup")
         c.stats.failovers += 1
-        # an aggregator that abandoned its part re-reduces it itself when the backup is gone: the
-        # failed contributor may be that backup (tried only if the backup cannot be reached)
+        # the aggregator, tried only if the backup cannot be reached: it re-reduces a part it abandoned
+        # (the failed contributor may be that backup), or serves the part it finished (a paused backup)
         for target in (b, j):
             if target == c.me:
                 state = self.failover_role.state(j)

@@ -165,6 +165,8 @@ class CollaborativeOptimizer:
         """Downloaded states refused because they rewrite steps the collaboration took otherwise."""
         self._inflight: _Inflight | None = None
         self._catchup: _CatchUp | None = None
+        self._syncing = False
+        """Inside ``_resync`` (published: such a peer takes no round before it holds a state)."""
         self._wanted = False
         """A peer asked for a newer state than ours; offered once this peer holds a complete one."""
         self._sps, self._mb_time, self._latency = _Ema(), _Ema(), _Ema()
@@ -407,9 +409,10 @@ class CollaborativeOptimizer:
         return any(r.fingerprint == skipped for r in view.peers if r.peer_id != self.peer.peer_id)
 
     def _may_still_take(self, view: CollaborationView, step: int) -> bool:
-        """Another training peer is still accumulating for ``step``: it has not started that round."""
+        """Another training peer is still accumulating for ``step``: it has not started that round
+        (a peer resyncing does not count: it takes no round before it holds a later state)."""
         me = self.peer.peer_id
-        return any(r.step == step and r.role.trains for r in view.peers if r.peer_id != me)
+        return any(r.peer_id != me for r in view.trainers_at(step))
 
     def _would_lead_alone(self, view: CollaborationView) -> bool:
         """Whether to hold back this step's round (keeping the gradients) because this peer would take
@@ -490,7 +493,8 @@ class CollaborativeOptimizer:
         loss_step, loss, loss_samples = self._loss
         return ProgressRecord(self.peer.peer_id, self.global_step, self.acc.samples, self._sps.value,
                               self.peer.role, 0.0, now, now + self._mb_time.value if busy else 0.0,
-                              self._fingerprint, loss, loss_step, loss_samples, self.resyncs, self.catchups)
+                              self._fingerprint, loss, loss_step, loss_samples, self.resyncs, self.catchups,
+                              self._syncing)
 
     def _report(self, busy: bool) -> CollaborationView:
         """Publish this peer's progress and read everyone's, waiting for the DHT."""
@@ -647,6 +651,13 @@ class CollaborativeOptimizer:
 
         While it waits, the runtime keeps this peer's (emptied) progress record alive, so the others
         still see it and a newcomer never mistakes an older checkpoint for the collaboration's state."""
+        self._syncing = True
+        try:
+            self._download_collaboration_state(view, reason)
+        finally:
+            self._syncing = False
+
+    def _download_collaboration_state(self, view: CollaborationView, reason: str) -> None:
         self._drop_inflight()
         self._catchup = None
         self.acc.reset()
@@ -702,6 +713,7 @@ class CollaborativeOptimizer:
         self.resyncs += 1
         logger.info(f"state of step {step} downloaded from {donor} ({len(blob) / 1e6:.1f} MB, "
                     f"{time.monotonic() - t0:.2f} s)")
+        self._syncing = False
         self._report(busy=False)
 
     # ---- state -------------------------------------------------------------------------------------------
