@@ -621,12 +621,18 @@ def test_a_forked_donor_is_refused_at_its_state_header():
             p.close()
 
 
-def test_a_lead_that_ready_peers_never_joined_does_not_take_a_step_another_group_took(tmp_path):
+@pytest.mark.parametrize("lands", ["while it leads", "just after it closed"])
+def test_a_lead_that_ready_peers_never_joined_does_not_take_a_step_another_group_took(tmp_path, lands):
     """Found by the delayed-updates soak: a peer back from a freeze (smallest id) saw the others'
     ready records but not yet their closed record (a leader stores it after answering its joiners),
     led, waited for them in vain, and closed a group of one: its update was its own gradient, a fork
     that lasted 22 steps. Now a leader that ready peers never joined looks at the closed records once
-    more before closing, and misses the step if another group took it."""
+    more before closing, and misses the step if another group took it (rule 8).
+
+    The synchronous soak: two such leads of one closed the same step at once, each having looked
+    before the other stored (two peers each stepped alone, and differed). Now a lead of one that
+    ready peers never joined looks once more after it closed, and withdraws if it is outranked
+    (rule 9): here by a group of two whose record lands just after its own."""
     from dedloc.records import ClosedRecord, Member, ReadyRecord
 
     rid = run_id()
@@ -651,9 +657,11 @@ def test_a_lead_that_ready_peers_never_joined_does_not_take_a_step_another_group
             await node.store(node.key("ready", 0), me, ReadyRecord(Member(me, 8.0, 1.0)).to_wire(), ttl=60)
             while late.peer_id not in await node.get(node.key("ready", 0)):
                 await asyncio.sleep(0.05)
-            # the fault: the record lands while the late peer leads (its own checks at the start of
-            # matchmaking are over within milliseconds; it leads for matchmaking_time)
-            await asyncio.sleep(AVG.matchmaking_time / 4)
+            if lands == "while it leads":  # its own checks at the start of matchmaking are over within
+                await asyncio.sleep(AVG.matchmaking_time / 4)  # milliseconds; it leads for matchmaking_time
+            else:  # the other group closed at the same moment: its record lands once the late peer's has
+                while late.peer_id not in await node.get(node.key("closed", 0)):
+                    await asyncio.sleep(0.02)
             await node.store(node.key("closed", 0), me, ClosedRecord(me, (me, other)).to_wire(), ttl=60)
             stored.set()
         tasks.append(asyncio.create_task(closing()))
@@ -664,6 +672,7 @@ def test_a_lead_that_ready_peers_never_joined_does_not_take_a_step_another_group
             with pytest.raises(MissedRoundError, match="closed without this peer"):
                 late.average(torch.ones(4), step=0, weight=8.0, expected_peers=2)
             assert stored.is_set()
+            assert late.peer_id not in peer.closed_round(0)  # it closed nothing, or withdrew its record
     finally:
         late.close()
         peer.close()

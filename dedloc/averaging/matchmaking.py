@@ -114,6 +114,8 @@ class Matchmaker:
         self._stepped_down: dict[int, dict[str, int]] = {}
         """Per step, how often this peer stepped down for each peer (at most MAX_STEP_DOWNS: ``_run_lead``)."""
         self._unreachable: dict[int, set[str]] = {}
+        self._noted: dict[int, set[str]] = {}
+        """Per step, the matchmaking events already logged at INFO (repeats go to DEBUG)."""
         """Per step, leaders this peer could not reach: never stepped down for again (stepping down
         and failing to reach them would loop until the deadline)."""
         self._failed: set[int] = set()
@@ -139,6 +141,7 @@ class Matchmaker:
                 self._follow.pop(old, None)
                 self._unreachable.pop(old, None)
                 self._stepped_down.pop(old, None)
+                self._noted.pop(old, None)
                 self._failed.discard(old)
         return self._decided[step]
 
@@ -169,6 +172,13 @@ class Matchmaker:
     def _closed_ttl(self) -> float:
         """How long a ``closed`` record lives (a withdrawal stored later outlives the record it replaces)."""
         return 3 * self.config.matchmaking_time + self.config.averaging_timeout
+
+    def _note(self, step: int, event: str, message: str) -> None:
+        """Log ``message`` at INFO the first time ``event`` happens in ``step``, and at DEBUG after:
+        under churn a peer can step down, retry and be redirected dozens of times in one second."""
+        seen = self._noted.setdefault(step, set())
+        logger.log(logging.DEBUG if event in seen else logging.INFO, f"step {step}: {message}")
+        seen.add(event)
 
     # ---- DHT views -----------------------------------------------------------------------------
     async def _ready(self, step: int, me: Member) -> dict[str, Member]:
@@ -284,18 +294,20 @@ class Matchmaker:
                 downs[smaller[0]] = downs.get(smaller[0], 0) + 1
                 state.redirect = smaller[0]
                 state.done.set()
-                logger.info(f"step {step}: stepping down as leader for {smaller[0]}")
+                self._note(step, f"down:{smaller[0]}", f"stepping down as leader for {smaller[0]}")
                 return await self._run_follow(step, me, smaller, loop.time() + 2 * self.config.matchmaking_time,
                                               0.0, numel, timeout)
             if set(ready) - unreachable <= set(state.members) and (not expected or len(state.members) >= expected):
                 break
             await asyncio.sleep(POLL)
-        if set(ready) - self._unreachable.get(step, set()) - set(state.members):
+        unjoined = bool(set(ready) - self._unreachable.get(step, set()) - set(state.members))
+        alone = len(state.members) == 1
+        if unjoined:
             # Ready peers never joined: they may have formed a group of their own before this peer's
             # ready record reached them (it woke from a freeze, or its state download just ended),
             # whose closed record was not yet stored when this peer looked at the start. Taking the
             # step anyway would fork the collaboration (a group of one under delayed updates did).
-            await self._close_unless_taken(step, state)
+            await self._close_unless_taken(step, state, alone)
         members = tuple(sorted(state.members.values(), key=lambda m: m.peer_id))
         subgroups = split_into_subgroups(members, self.config.max_group_size)
         if self.policy is not None and self.config.strategy == "partitioned":
@@ -312,27 +324,65 @@ class Matchmaker:
             await self.node.store(self.node.key("closed", step), self.me,
                                   ClosedRecord(self.me, tuple(m.peer_id for m in members)).to_wire(),
                                   ttl=self._closed_ttl())
+            if alone and unjoined:
+                await self._yield_if_outranked(step, state)
         else:
             logger.info(f"step {step}: led a group in which no member can hand the state on (clients and "
                         f"aggregators only); peers that missed it will form another")
         logger.debug(f"step {step}: led a group of {len(members)}")
         return group
 
-    async def _close_unless_taken(self, step: int, state: _Lead) -> None:
+    async def _close_unless_taken(self, step: int, state: _Lead, alone: bool) -> None:
         """Before closing a lead that some ready peers never joined: if another group closed the step
         without this peer, tell its joiners they missed it and raise MissedRoundError (the closed
-        group holds the step's state). The look is bounded by a quarter of ``matchmaking_time``, so
-        the joiners still get their answer in time."""
+        group holds the step's state). With joiners waiting, the look is bounded by a quarter of
+        ``matchmaking_time`` (they still get their answer in time; a slow DHT: close as before).
+        ``alone`` (no one joined): nobody waits, so it may take ``matchmaking_time``, and a lead of
+        one that cannot read the records does not take the step (MatchmakingError): under churn a
+        slow read let two peers each take the same step alone."""
+        bound = self.config.matchmaking_time / (1 if alone else 4)
         try:
-            closed_by = await asyncio.wait_for(self._closed_without_me(step), self.config.matchmaking_time / 4)
-        except Exception as e:  # a slow DHT: close as before
-            logger.debug(f"step {step}: could not read the closed records before closing: {e!r}")
-            return
+            closed_by = await asyncio.wait_for(self._closed_without_me(step), bound)
+        except Exception as e:
+            if not alone:
+                logger.debug(f"step {step}: could not read the closed records before closing: {e!r}")
+                return
+            state.done.set()
+            self._decision(step).set()
+            raise MatchmakingError(f"step {step}: no ready peer joined this peer's lead, and the step's closed "
+                                   f"records could not be read ({type(e).__name__}); not taking the step alone")
         if closed_by:
             state.done.set()  # no group: the joiners are told they missed the step, which is held
             logger.info(f"step {step}: ready peers never joined this peer's lead; the round led by {closed_by} "
                         f"already took the step")
             self._missed(step, closed_by)
+
+    async def _yield_if_outranked(self, step: int, state: _Lead) -> None:
+        """A lead of one that ready peers never joined, just closed: another peer may have closed the
+        step at the same moment (each looked before the other stored). Once the records have had
+        ``matchmaking_time / 4`` to spread, the one that ranks lower withdraws its record and misses
+        the step (MissedRoundError): a group of two or more outranks a group of one, and between two
+        of one the smaller leader id wins. No member was told of this group, so withdrawing is free."""
+        await asyncio.sleep(self.config.matchmaking_time / 4)
+        try:
+            closed = await asyncio.wait_for(self.closed_round(step), self.config.matchmaking_time)
+        except Exception as e:
+            logger.debug(f"step {step}: could not read the closed records after closing: {e!r}")
+            return
+        winner = next((leader for leader, members in sorted(closed.items()) if self.me not in members
+                       and (len(members) > 1 or leader < self.me)), None)
+        if winner is None:
+            return
+        logger.info(f"step {step}: {winner} closed the step at the same time as this peer's lead of one; "
+                    f"withdrawing ours")
+        state.group = None  # a late joiner is told it missed the step, not handed this group
+        try:
+            await asyncio.wait_for(self.node.store(self.node.key("closed", step), self.me,
+                                                   ClosedRecord(self.me, None).to_wire(), ttl=self._closed_ttl()),
+                                   self.config.matchmaking_time)
+        except Exception as e:
+            logger.debug(f"step {step}: could not withdraw the closed record: {e!r}")
+        self._missed(step, winner)
 
     async def _planned(self, members: tuple[Member, ...], subgroups: tuple[tuple[int, ...], ...],
                        numel: int) -> tuple[Member, ...]:
@@ -411,7 +461,8 @@ class Matchmaker:
                 self.node.streams.open(leader, self.proto),
                 max(0.1, deadline - loop.time()))
         except Exception as e:
-            logger.info(f"step {step}: leader {leader} unreachable ({type(e).__name__}: {str(e)[:200]}); trying the next")
+            self._note(step, f"unreachable:{leader}",
+                       f"leader {leader} unreachable ({type(e).__name__}: {str(e)[:200]}); trying the next")
             return None
         try:
             await rpc.write_message(writer, request)
@@ -466,7 +517,7 @@ class Matchmaker:
             elif response.get("missed") and response.get("held") is False:
                 why = f"{leader}'s round for this step failed" if response.get("failed") else \
                     f"the round led by {leader} closed with no member that can hand its state on"
-                logger.info(f"step {step}: {why}; forming another")
+                self._note(step, f"failed:{leader}", f"{why}; forming another")
                 passed_over = f"{why}, and no other reachable peer is ready to lead"
             elif response.get("missed"):
                 raise MissedRoundError(f"step {step}: the round led by {leader} was already closed; "
