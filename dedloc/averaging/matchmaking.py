@@ -114,10 +114,10 @@ class Matchmaker:
         self._stepped_down: dict[int, dict[str, int]] = {}
         """Per step, how often this peer stepped down for each peer (at most MAX_STEP_DOWNS: ``_run_lead``)."""
         self._unreachable: dict[int, set[str]] = {}
-        self._noted: dict[int, set[str]] = {}
-        """Per step, the matchmaking events already logged at INFO (repeats go to DEBUG)."""
         """Per step, leaders this peer could not reach: never stepped down for again (stepping down
         and failing to reach them would loop until the deadline)."""
+        self._noted: dict[int, set[str]] = {}
+        """Per step, the matchmaking events already logged at INFO (repeats go to DEBUG)."""
         self._failed: set[int] = set()
         """Steps whose round failed at this peer and that it has not started matchmaking for again."""
         self._refusals = PerPeerWarnings(logger)

@@ -67,12 +67,8 @@ class FailoverRole:
                                 f"{c.name(j)}'s result")
                     return
                 c.add_own(state.acc, j)
-                refetch = asyncio.create_task(self._refetch(j))
-                try:
-                    if await refetch:
-                        return
-                finally:
-                    refetch.cancel()
+                if await self._refetch(j):  # re-sent contributions keep arriving meanwhile
+                    return
                 await state.acc.wait(c.failover_deadline)
                 mean = state.acc.finish()
                 c.output[s:e] = c.rounded(mean)
