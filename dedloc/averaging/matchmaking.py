@@ -22,6 +22,8 @@ Protocol (docs/averaging.md has the reasoning):
    the soak on a loaded machine).
 6. A leader that some ready peers never joined reads the ``closed`` records once more before it
    closes, and misses the step if another group took it (instead of taking it alone: a fork).
+   If no one joined it, it does not take the step when it cannot read them, and after closing it
+   reads them again and withdraws if another group outranks it (larger, or a smaller leader id).
 
 Guarantees: a peer is in at most one group per step (it sends at most one join whose outcome
 is unknown, and a leader's group is final once sent); every call returns or raises within
@@ -163,11 +165,16 @@ class Matchmaker:
             return
         logger.info(f"step {step}: the round this peer led failed; the step is open again for the others")
         if led.held:  # its closed record must no longer close the step (bounded: the caller waits for this)
-            try:
-                await asyncio.wait_for(self.node.store(self.node.key("closed", step), self.me, ClosedRecord(self.me, None).to_wire(),
-                                                       ttl=self._closed_ttl()), self.config.matchmaking_time)
-            except Exception as e:
-                logger.debug(f"step {step}: could not withdraw the closed record: {e!r}")
+            await self._withdraw_closed(step)
+
+    async def _withdraw_closed(self, step: int) -> None:
+        """Overwrite this peer's ``closed`` record for ``step`` so that it closes nothing (bounded by
+        ``matchmaking_time``; a failure is logged at DEBUG: the record then lives out its TTL)."""
+        try:
+            await asyncio.wait_for(self.node.store(self.node.key("closed", step), self.me, ClosedRecord(self.me, None).to_wire(),
+                                                   ttl=self._closed_ttl()), self.config.matchmaking_time)
+        except Exception as e:
+            logger.debug(f"step {step}: could not withdraw the closed record: {e!r}")
 
     def _closed_ttl(self) -> float:
         """How long a ``closed`` record lives (a withdrawal stored later outlives the record it replaces)."""
@@ -376,12 +383,7 @@ class Matchmaker:
         logger.info(f"step {step}: {winner} closed the step at the same time as this peer's lead of one; "
                     f"withdrawing ours")
         state.group = None  # a late joiner is told it missed the step, not handed this group
-        try:
-            await asyncio.wait_for(self.node.store(self.node.key("closed", step), self.me,
-                                                   ClosedRecord(self.me, None).to_wire(), ttl=self._closed_ttl()),
-                                   self.config.matchmaking_time)
-        except Exception as e:
-            logger.debug(f"step {step}: could not withdraw the closed record: {e!r}")
+        await self._withdraw_closed(step)
         self._missed(step, winner)
 
     async def _planned(self, members: tuple[Member, ...], subgroups: tuple[tuple[int, ...], ...],

@@ -653,11 +653,14 @@ class CollaborativeOptimizer:
         still see it and a newcomer never mistakes an older checkpoint for the collaboration's state."""
         self._syncing = True
         try:
-            self._download_collaboration_state(view, reason)
+            downloaded = self._download_collaboration_state(view, reason)
         finally:
             self._syncing = False
+        if downloaded:
+            self._report(busy=False)
 
-    def _download_collaboration_state(self, view: CollaborationView, reason: str) -> None:
+    def _download_collaboration_state(self, view: CollaborationView, reason: str) -> bool:
+        """``_resync``'s work; True if it loaded a downloaded state, False if it holds the state already."""
         self._drop_inflight()
         self._catchup = None
         self.acc.reset()
@@ -667,7 +670,7 @@ class CollaborativeOptimizer:
         if target is None:
             logger.info(f"{reason}: this peer already holds the collaboration's state of step {self.applied_step}; "
                         f"its gradients are dropped, nothing to download")
-            return
+            return False
         logger.info(f"out of sync ({reason}): downloading the state of step >= {target}")
         t0 = warned = time.monotonic()
         timeout = self.config.state_timeout
@@ -709,12 +712,11 @@ class CollaborativeOptimizer:
             if target is None:
                 logger.info(f"the collaboration is back at this peer's state of step {self.applied_step}: "
                             f"nothing to download")
-                return
+                return False
         self.resyncs += 1
         logger.info(f"state of step {step} downloaded from {donor} ({len(blob) / 1e6:.1f} MB, "
                     f"{time.monotonic() - t0:.2f} s)")
-        self._syncing = False
-        self._report(busy=False)
+        return True
 
     # ---- state -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
