@@ -2,7 +2,12 @@
 
 
 class DedlocError(Exception):
-    """Base class of all dedloc errors."""
+    """Base class of all dedloc errors. ``peers``: the peers it is about, where the caller acts on
+    them (e.g. donors refused as forks); they travel with it from the background process."""
+
+    def __init__(self, *args: object, peers: tuple[str, ...] = ()):
+        super().__init__(*args)
+        self.peers = tuple(peers)
 
 
 class ConfigError(DedlocError, ValueError):
@@ -20,6 +25,11 @@ class ProtocolError(DedlocError):
 class Unauthorized(ProtocolError):
     """A peer is not a member of this run (no, a forged, an expired or a revoked invitation), or
     something it sent is not signed by whom it claims."""
+
+
+class ForkError(ProtocolError):
+    """A donor's state rewrites steps that the collaboration took with other parameters (a fork,
+    state/lineage.py): refused."""
 
 
 class MatchmakingError(DedlocError):

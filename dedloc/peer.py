@@ -98,7 +98,8 @@ class Peer:
         announces more than ``max_bytes`` (None: the 64 GiB protocol cap) is refused before any
         byte of the state is read: size it from what this peer expects (its own model). So is a
         donor whose announced lineage the live peers' fingerprints ``votes`` outvote (a fork;
-        state/lineage.py); the blob itself must still be checked against its own fingerprint.
+        state/lineage.py): when no donor succeeded and some were forks, it raises ForkError with
+        those donors in ``peers``. The blob itself must still be checked against its own fingerprint.
         """
         return self.download_state_async(donors, min_step, timeout, max_bytes, votes).result(timeout + 30)
 

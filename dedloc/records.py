@@ -70,6 +70,12 @@ class ProgressRecord:
     """Downloading the collaboration's state (a resync): it accumulates nothing and joins no round
     until it holds that state, whatever ``step`` says."""
 
+    @property
+    def applied_step(self) -> int | None:
+        """The step of the parameters this peer holds (from its fingerprint; None if it publishes none)."""
+        step = self.fingerprint.partition(":")[0]
+        return int(step) if step.isdigit() else None
+
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("peer_id")
@@ -132,6 +138,10 @@ class CollaborationView:
     def samples(self) -> int:
         return sum(r.samples for r in self.current)
 
+    def without(self, peers: set[str] | frozenset[str]) -> "CollaborationView":
+        """This view less the records of ``peers``."""
+        return CollaborationView(tuple(r for r in self.peers if r.peer_id not in peers), self.now) if peers else self
+
     def trainers_at(self, step: int) -> tuple[ProgressRecord, ...]:
         """Training peers (trainers and clients) accumulating for ``step``: not those resyncing, which
         may publish ``step`` for minutes while they wait for a later state."""
@@ -144,6 +154,15 @@ class CollaborationView:
 
     def samples_at(self, step: int) -> int:
         return sum(r.samples for r in self.trainers_at(step))
+
+    def took(self, step: int, exclude: str = "") -> bool:
+        """Whether most training peers (less ``exclude``, and those resyncing) that publish a
+        fingerprint already hold the parameters after ``step``'s update: the collaboration took
+        ``step``, and a round for it now could only be a group of latecomers (a fork). A lone peer
+        ahead (e.g. a forked one, before it steps back) is not the collaboration."""
+        applied = [a > step for r in self.peers
+                   if r.peer_id != exclude and r.role.trains and not r.syncing and (a := r.applied_step) is not None]
+        return 2 * sum(applied) > len(applied)
 
     def consensus_fingerprint(self, applied_step: int) -> str | None:
         """The parameter fingerprint most peers at ``applied_step`` report (ties: the smallest peer id's)."""
@@ -296,16 +315,25 @@ class ClosedRecord:
 
     leader: str
     members: tuple[str, ...] | None
+    until: float | None = None
+    """The round's deadline (wall clock, the leader's): once past, the record closes the step only
+    if a member holds the step's update (averaging/matchmaking.py, rule 8). None: no deadline."""
 
     def to_wire(self) -> Any:
-        return list(self.members) if self.members is not None else {"failed": True}
+        if self.members is None:
+            return {"failed": True}
+        return list(self.members) if self.until is None else {"members": list(self.members), "until": self.until}
 
     @classmethod
     def from_wire(cls, leader: str, obj: Any) -> "ClosedRecord | None":
         if isinstance(obj, dict) and obj.get("failed") is True:
             return cls(leader, None)
+        until = None
+        if isinstance(obj, dict) and isinstance(obj.get("until"), (int, float)) and not isinstance(obj["until"], bool) \
+                and math.isfinite(obj["until"]):
+            until, obj = float(obj["until"]), obj.get("members")
         if isinstance(obj, list) and len(obj) <= MAX_MEMBERS and all(isinstance(m, str) for m in obj):
-            return cls(leader, tuple(obj))
+            return cls(leader, tuple(obj), until)
         logger.debug(f"ignoring malformed closed record of {leader}")
         return None
 

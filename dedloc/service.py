@@ -26,7 +26,7 @@ from dedloc.net.peer_connections import PeerConnections
 from dedloc.net.runtime import SharedBuffer
 from dedloc.net.tcp import DirectTCP
 from dedloc.planning.planner import Planner
-from dedloc.records import MAX_REPORTED_ROUNDS, CreditRecord, ProgressRecord, RoundReport
+from dedloc.records import MAX_REPORTED_ROUNDS, CollaborationView, CreditRecord, ProgressRecord, RoundReport
 from dedloc.state.transfer import StateServer
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,10 @@ class PeerService:
         try:
             if peer_config.metrics_port > 0:
                 metrics.serve(peer_config.metrics_host, peer_config.metrics_port)
-            averager = Averager(node, cfg, tcp, planner.shares, on_round)
+            async def progress() -> CollaborationView:
+                return CollaborationView.build(await _read_progress(node))
+
+            averager = Averager(node, cfg, tcp, planner.shares, on_round, progress)
             await averager.start()  # starts tcp's listener
             await peers.start()
             states = StateServer(node, peers)
@@ -117,16 +120,12 @@ class PeerService:
         return await self.node.store(self.node.key("progress"), self.node.peer_id.to_base58(), record, ttl)
 
     async def read_progress(self) -> list[ProgressRecord]:
-        """Everyone's live progress records, less those published before their peer announced leaving
-        (a peer restarted under the same identity is visible again from its first new record)."""
-        entries, left = await asyncio.gather(self.node.get(self.node.key("progress")),
-                                             self.node.get(self.node.key("left")))
-        return [r for p, (v, _) in entries.items()
-                if (r := ProgressRecord.from_wire(p, v)) is not None and not _left_after(left.get(p), r)]
+        """Everyone's live progress records (``_read_progress``)."""
+        return await _read_progress(self.node)
 
     async def report(self, record: dict[str, Any], ttl: float) -> tuple[list[ProgressRecord], bool]:
         """Publish this peer's progress, then read everyone's; also says whether a newcomer wants our state."""
-        self.states.training_step = int(record["step"])
+        await self.states.progress(int(record["step"]), record.get("syncing") is True)
         self.planner.samples_per_second = float(record.get("samples_per_second", 0.0))
         self.metrics.progress(record)
         await self.publish_progress(record, ttl)
@@ -276,6 +275,14 @@ class PeerService:
         self.metrics.close()
         await self.node.shutdown()
         logger.info(f"left the collaboration ({self.node.peer_id.to_base58()})")
+
+
+async def _read_progress(node: Node) -> list[ProgressRecord]:
+    """Everyone's live progress records, less those published before their peer announced leaving
+    (a peer restarted under the same identity is visible again from its first new record)."""
+    entries, left = await asyncio.gather(node.get(node.key("progress")), node.get(node.key("left")))
+    return [r for p, (v, _) in entries.items()
+            if (r := ProgressRecord.from_wire(p, v)) is not None and not _left_after(left.get(p), r)]
 
 
 def _left_after(mark: tuple[Any, float] | None, record: ProgressRecord) -> bool:

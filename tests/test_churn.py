@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
-from dedloc.errors import MatchmakingError, MissedRoundError, StateError
+from dedloc.errors import ForkError, MatchmakingError, MissedRoundError, StateError
 from dedloc.net.identity import create_identity
 from dedloc.optim import CollaborativeOptimizer
 from dedloc.optim.optimizer import StepOutcome
@@ -304,6 +304,108 @@ def test_a_donor_that_stalls_mid_transfer_does_not_take_the_whole_deadline():
     finally:
         newcomer.close()
         good.close()
+
+
+def test_a_donor_that_starts_resyncing_answers_a_waiting_requester_at_once():
+    """A requester asks for a state newer than the donor has cached; the donor's training loop is at
+    that step, so it waits (up to FRESH_WAIT, 15 s) for the loop's next state. In the fork test's
+    failure the loop then stepped back (a forked peer resyncing): it would never produce that step,
+    and two honest peers were held the whole 15 s while the others took their steps. Now the donor
+    answers ``behind`` as soon as its loop resyncs. The requester's deadline (8 s) is shorter than
+    FRESH_WAIT: without that, it ends with no answer instead."""
+    rid = run_id()
+    donor = Peer(PeerConfig(run_id=rid), AVG)
+    requester = Peer(PeerConfig(run_id=rid, initial_peers=tuple(donor.maddrs)), AVG)
+    try:
+        donor.offer_state(3, b"a state of step 3")
+        record = ProgressRecord(donor.peer_id, 6, 0, 0.0, Role.TRAINER, time=time.time())
+        donor.report(record)
+        result: dict = {}
+
+        def ask() -> None:
+            try:
+                requester.download_state([donor.peer_id], 6, timeout=8)
+            except StateError as e:
+                result["error"] = str(e)
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        deadline = time.monotonic() + 8
+        while not donor.report(record)[1]:  # the donor flags its state as wanted once the request waits
+            assert time.monotonic() < deadline, "the request never reached the donor"
+            time.sleep(0.05)
+        donor.report(ProgressRecord(donor.peer_id, 6, 0, 0.0, Role.TRAINER, time=time.time(), syncing=True))
+        asking.join(30)
+        assert f"{donor.peer_id}: StateError: no state at step >= 6" in result["error"], result
+    finally:
+        requester.close()
+        donor.close()
+
+
+def test_a_step_most_peers_already_took_is_missed_even_after_its_closed_records_expired():
+    """The sync soak's lost step: a trainer froze between reading the collaboration's step and asking
+    for that step's round, longer than the round's closed records live. Waking, it saw no group and
+    took the step alone, a fork of one. The others' progress records say they hold the parameters
+    after that step: now that is a missed round. One peer alone ahead (a forked peer, before it
+    steps back) is not the collaboration, and does not close the step."""
+    rid = run_id()
+    peers = [Peer(PeerConfig(run_id=rid), AVG)]
+    peers += [Peer(PeerConfig(run_id=rid, initial_peers=tuple(peers[0].maddrs)), AVG) for _ in range(2)]
+    late, a, b = peers
+
+    def publish(peer: Peer, applied: int) -> None:
+        peer.report(ProgressRecord(peer.peer_id, applied, 0, 1.0, Role.TRAINER, time=time.time(),
+                                   fingerprint=f"{applied}:{'ab' * 8}"))
+    try:
+        publish(a, 6)
+        publish(b, 6)
+        with pytest.raises(MissedRoundError, match="step 5: the collaboration already took it"):
+            late.average(torch.ones(4), step=5, weight=1.0, expected_peers=1)
+        publish(a, 5)
+        publish(b, 22)
+        stats = late.average(torch.ones(4), step=5, weight=1.0, expected_peers=1)
+        assert stats["group_size"] == 1
+    finally:
+        for p in peers:
+            p.close()
+
+
+def test_a_closed_record_outliving_its_failed_round_closes_nothing():
+    """The sync soak's 66 s stall: a leader closed step 119, froze, and stored its closed record
+    when it woke; its round failed for every member, but the record kept the step closed for its
+    whole TTL, and every retry was "missed". The record now carries the round's deadline: past it,
+    it closes the step only if a member holds the step's update."""
+    from dedloc.records import ClosedRecord
+
+    rid = run_id()
+    late = Peer(PeerConfig(run_id=rid), AVG)
+    member = Peer(PeerConfig(run_id=rid, initial_peers=tuple(late.maddrs)), AVG)
+    stored = threading.Event()
+
+    async def frozen_leader(node, finished):  # rounds it led for steps 0 and 1, both over a minute ago
+        me = node.peer_id.to_base58()
+        for step in (0, 1):
+            record = ClosedRecord(me, tuple(sorted((me, member.peer_id))), until=time.time() - 60)
+            await node.store(node.key("closed", step), me, record.to_wire(), ttl=120)
+        stored.set()
+
+    try:
+        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(late.maddrs)), frozen_leader) as leader:
+            assert stored.is_set()
+            # step 0's round failed: no member holds its update, so the record closes nothing
+            member.report(ProgressRecord(member.peer_id, 0, 0, 1.0, Role.TRAINER, time=time.time(),
+                                         fingerprint="0:" + "ab" * 8))
+            assert late.closed_round(0) == {}
+            assert late.average(torch.ones(4), step=0, weight=1.0, expected_peers=1)["group_size"] == 1
+            # step 1's round succeeded for its member (it holds the update of step 1): the step stays closed
+            member.report(ProgressRecord(member.peer_id, 2, 0, 1.0, Role.TRAINER, time=time.time(),
+                                         fingerprint="2:" + "cd" * 8))
+            assert leader in late.closed_round(1)
+            with pytest.raises(MissedRoundError, match=f"step 1: the round led by {leader} closed without this peer"):
+                late.average(torch.ones(4), step=1, weight=1.0, expected_peers=1)
+    finally:
+        member.close()
+        late.close()
 
 
 def test_a_slow_but_steady_donor_is_not_given_up():
@@ -608,10 +710,11 @@ def test_a_forked_donor_is_refused_at_its_state_header():
         votes = {"peer-1": "4:bbbb", "peer-2": "5:cccc", good.peer_id: "5:cccc"}
         forked.offer_state(6, b"the fork's state of step 6", ["3:aaaa", "4:ffff", "5:eeee", "6:dddd"])
         good.offer_state(5, b"the collaboration's state of step 5", ours)
-        with pytest.raises(StateError, match=f"{forked.peer_id}: ProtocolError: its state of step 6 rewrites step 4, "
-                                             f"which the collaboration took with other parameters \\(a fork\\): "
-                                             f"refused before its 26 bytes"):
+        with pytest.raises(ForkError, match=f"{forked.peer_id}: ForkError: its state of step 6 rewrites step 4, "
+                                            f"which the collaboration took with other parameters \\(a fork\\): "
+                                            f"refused before its 26 bytes") as refused:
             newcomer.download_state([forked.peer_id], 5, timeout=30, votes=votes)
+        assert refused.value.peers == (forked.peer_id,)  # named, so the requester leaves it out of its target
         found = newcomer.download_state([forked.peer_id, good.peer_id], 5, timeout=30, votes=votes)
         assert found == (5, b"the collaboration's state of step 5", good.peer_id)
         # without votes (verify_sync off) the header is not judged

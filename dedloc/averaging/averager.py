@@ -18,7 +18,7 @@ import asyncio
 import ipaddress
 import logging
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 import torch
 from hivemind.utils.multiaddr import Multiaddr
@@ -39,6 +39,7 @@ from dedloc.net.rpc import wait_peer_closed
 from dedloc.net.tcp import DirectTCP, RoundConnections
 from dedloc.net.transport import Handler, StreamPair, Transport
 from dedloc.numerics import all_finite
+from dedloc.records import CollaborationView
 
 logger = logging.getLogger(__name__)
 ROUND_GRACE = 30.0
@@ -99,18 +100,19 @@ class Averager:
     """One peer's averaging: call ``average`` once per step with that step's tensor."""
 
     def __init__(self, node: Node, config: AveragingConfig, tcp: DirectTCP | None = None,
-                 policy: SharePolicy | None = None, on_round: Callable[[RoundStats], None] | None = None):
+                 policy: SharePolicy | None = None, on_round: Callable[[RoundStats], None] | None = None,
+                 progress: Callable[[], Awaitable[CollaborationView]] | None = None):
         """``tcp``: this peer's direct connections (None: round streams use libp2p only); the
         averager starts its listener, which admits rounds' members, and the caller closes it.
         ``policy`` sets the shares of rounds this peer leads (None: the members' declared shares);
         ``on_round(stats)`` is told what each round (or subround) sent and received, for bandwidth
-        estimates."""
+        estimates. ``progress()``: the live progress records, for matchmaking's rules 7 and 8."""
         self.node, self.config = node, config.validate()
         if config.aggregator_only and not node.reachable:
             raise AveragingError("an aggregator-only peer must accept connections from every peer (it cannot be in "
                                  f"client mode or behind NAT; here: {node.reachability.how})")
         share = config.share if config.share is not None else (0.0 if node.config.client_mode else 1.0)
-        self.matchmaker = Matchmaker(node, config, share, policy)
+        self.matchmaker = Matchmaker(node, config, share, policy, progress)
         self.on_round = on_round
         self.pool = BufferPool()  # receive buffers and partial sums, reused across rounds
         self.me = node.peer_id.to_base58()

@@ -24,6 +24,13 @@ Protocol (docs/averaging.md has the reasoning):
    closes, and misses the step if another group took it (instead of taking it alone: a fork).
    If no one joined it, it does not take the step when it cannot read them, and after closing it
    reads them again and withdraws if another group outranks it (larger, or a smaller leader id).
+7. A peer misses a step that most training peers already took, by their progress records'
+   fingerprints (``CollaborationView.took``), even with no closed record left: its training loop
+   was frozen between reading the collaboration's step and asking for this round, longer than
+   those records live.
+8. A closed record carries its round's deadline. Once that is past (by ``CLOSED_GRACE``) and no
+   member publishes the step's update applied, the round failed: the record closes nothing, even
+   if its leader, frozen or dead, never withdrew it (it held the step for its whole TTL).
 
 Guarantees: a peer is in at most one group per step (it sends at most one join whose outcome
 is unknown, and a leader's group is final once sent); every call returns or raises within
@@ -35,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, NoReturn
 
@@ -49,7 +57,7 @@ from dedloc.logs import PerPeerWarnings
 from dedloc.net import rpc
 from dedloc.net.node import Node
 from dedloc.net.tcp import KEY_BYTES
-from dedloc.records import ClosedRecord, ReadyRecord
+from dedloc.records import ClosedRecord, CollaborationView, ReadyRecord
 
 logger = logging.getLogger(__name__)
 POLL = 0.05
@@ -59,6 +67,9 @@ JOIN_AHEAD = 2
 """A join request may name at most this many steps beyond the step this peer last matched for (a
 leader publishes its ready record, and so reaches the step, before anyone can ask it). Requests
 outside the window are refused, so no stream of requests can crowd the current step's state out."""
+CLOSED_GRACE = 5.0
+"""Seconds past a closed round's deadline before rule 8 judges it (clock skew, members that have
+applied its update but not yet published it)."""
 MAX_STEP_DOWNS = 3
 """Times a leader steps down for the same smaller peer in one step (a transient redirect resolves
 in one or two; a peer that follows a leader this one cannot reach never does)."""
@@ -98,8 +109,11 @@ def _parse_entry(peer_id: str, value: Any) -> Member | None:
 class Matchmaker:
     """Forms the group of each step for one peer. Lives in the runtime process."""
 
-    def __init__(self, node: Node, config: AveragingConfig, share: float, policy: SharePolicy | None = None):
+    def __init__(self, node: Node, config: AveragingConfig, share: float, policy: SharePolicy | None = None,
+                 progress: Callable[[], Awaitable[CollaborationView]] | None = None):
+        """``progress()``: the live progress records, for rules 7 and 8 (None: neither applies)."""
         self.node, self.config, self.share, self.policy = node, config, share, policy
+        self.progress = progress
         self.fetch = not config.aggregator_only
         self.me = node.peer_id.to_base58()
         self.incarnation = os.urandom(8).hex()
@@ -205,20 +219,51 @@ class Matchmaker:
                 sizes.append(rec.numel)
         return max(set(sizes), key=sizes.count) if sizes else 0
 
+    async def _view(self) -> CollaborationView | None:
+        """The live progress records (None: no ``progress``, or they cannot be read in time)."""
+        if self.progress is None:
+            return None
+        try:
+            return await asyncio.wait_for(self.progress(), self.config.matchmaking_time)
+        except Exception as e:
+            logger.debug(f"could not read the progress records: {e!r}")
+            return None
+
+    async def _standing(self, step: int) -> tuple[dict[str, list[str]], CollaborationView | None]:
+        """The groups that close ``step`` (leader -> members; rule 8 drops those whose round is over
+        with no member holding the step's update), and the progress records read with them."""
+        entries, view = await asyncio.gather(self.node.get(self.node.key("closed", step)), self._view())
+        holders = set() if view is None else {r.peer_id for r in view.peers if (r.applied_step or 0) > step}
+        over = time.time() - CLOSED_GRACE
+        out = {}
+        for leader, (value, _) in entries.items():
+            r = ClosedRecord.from_wire(leader, value)
+            if r is None or r.members is None:
+                continue
+            if r.until is not None and r.until < over and view is not None and not holders & set(r.members):
+                logger.debug(f"step {step}: the round {leader} closed is over and no member holds its update: "
+                             f"it closes nothing")
+                continue
+            out[r.leader] = list(r.members)
+        return out, view
+
     async def closed_round(self, step: int) -> dict[str, list[str]]:
-        """Leader -> members of every group closed for ``step``, as published in the DHT."""
-        records = (ClosedRecord.from_wire(leader, value)
-                   for leader, (value, _) in (await self.node.get(self.node.key("closed", step))).items())
-        return {r.leader: list(r.members) for r in records if r is not None and r.members is not None}
+        """Leader -> members of every group that closes ``step`` (``_standing``)."""
+        return (await self._standing(step))[0]
 
-    async def _closed_without_me(self, step: int) -> str | None:
-        return next((leader for leader, members in (await self.closed_round(step)).items()
-                     if self.me not in members), None)
+    async def _why_missed(self, step: int) -> str | None:
+        """Why this peer cannot take ``step`` any more (rules 4 and 7), None if it can."""
+        closed, view = await self._standing(step)
+        leader = next((leader for leader, members in closed.items() if self.me not in members), None)
+        if leader is not None:
+            return f"the round led by {leader} closed without this peer"
+        if view is not None and view.took(step, exclude=self.me):
+            return "the collaboration already took it (most training peers hold the parameters after it)"
+        return None
 
-    def _missed(self, step: int, closed_by: str) -> NoReturn:
+    def _missed(self, step: int, why: str) -> NoReturn:
         self._decision(step).set()
-        raise MissedRoundError(f"step {step}: the round led by {closed_by} closed without this peer; "
-                               f"join the next step")
+        raise MissedRoundError(f"step {step}: {why}; join the next step")
 
     # ---- entry point -----------------------------------------------------------------------------
     async def form_group(self, step: int, weight: float, expected_peers: int | None = None,
@@ -243,19 +288,22 @@ class Matchmaker:
         me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client, self.fetch, self.private,
                     self.data)
         started, ready_ttl = loop.time(), 3 * t + gather + self.config.averaging_timeout
-        _, closed_by = await asyncio.gather(
+        # A late peer learns it at once instead of after the gather window: from a closed record, or,
+        # once those expired (its training loop was frozen between reading the collaboration's step
+        # and this call), from the others' progress records: it would otherwise take the step alone.
+        _, missed = await asyncio.gather(
             self.node.store(self.node.key("ready", step), self.me, ReadyRecord(me, int(numel)).to_wire(), ttl=ready_ttl),
-            self._closed_without_me(step))
-        if closed_by:  # a late peer learns it at once instead of after the gather window
-            self._missed(step, closed_by)
+            self._why_missed(step))
+        if missed:
+            self._missed(step, missed)
         while True:
             ready = await self._ready(step, me)
             if (expected_peers and len(ready) >= expected_peers) or loop.time() >= gather_deadline:
                 break
             await asyncio.sleep(POLL)
-        closed_by = await self._closed_without_me(step)
-        if closed_by:
-            self._missed(step, closed_by)
+        missed = await self._why_missed(step)
+        if missed:
+            self._missed(step, missed)
         candidates = sorted(p for p, m in ready.items() if m.reachable)
         if not candidates:
             raise MatchmakingError(f"step {step}: no reachable peer (neither in client mode nor behind NAT) is ready to lead")
@@ -324,12 +372,13 @@ class Matchmaker:
         direct = self.config.transport != "libp2p"
         group = Group(os.urandom(16), step, members, subgroups, self.config.strategy, self.config.compression,
                       timeout, os.urandom(KEY_BYTES) if direct else b"", self.config.encryption, self.config.verify)
+        until = time.time() + timeout  # taken now: this process may be frozen before it stores the record
         state.group = group
         state.held = _holds_state(members)
         state.done.set()  # answer the joiners first: the record below can wait on a slow DHT
         if state.held:
             await self.node.store(self.node.key("closed", step), self.me,
-                                  ClosedRecord(self.me, tuple(m.peer_id for m in members)).to_wire(),
+                                  ClosedRecord(self.me, tuple(m.peer_id for m in members), until).to_wire(),
                                   ttl=self._closed_ttl())
             if alone and unjoined:
                 await self._yield_if_outranked(step, state)
@@ -349,7 +398,7 @@ class Matchmaker:
         slow read let two peers each take the same step alone."""
         bound = self.config.matchmaking_time / (1 if alone else 4)
         try:
-            closed_by = await asyncio.wait_for(self._closed_without_me(step), bound)
+            missed = await asyncio.wait_for(self._why_missed(step), bound)
         except Exception as e:
             if not alone:
                 logger.debug(f"step {step}: could not read the closed records before closing: {e!r}")
@@ -358,11 +407,10 @@ class Matchmaker:
             self._decision(step).set()
             raise MatchmakingError(f"step {step}: no ready peer joined this peer's lead, and the step's closed "
                                    f"records could not be read ({type(e).__name__}); not taking the step alone")
-        if closed_by:
+        if missed:
             state.done.set()  # no group: the joiners are told they missed the step, which is held
-            logger.info(f"step {step}: ready peers never joined this peer's lead; the round led by {closed_by} "
-                        f"already took the step")
-            self._missed(step, closed_by)
+            logger.info(f"step {step}: ready peers never joined this peer's lead; {missed}")
+            self._missed(step, missed)
 
     async def _yield_if_outranked(self, step: int, state: _Lead) -> None:
         """A lead of one that ready peers never joined, just closed: another peer may have closed the
@@ -384,7 +432,7 @@ class Matchmaker:
                     f"withdrawing ours")
         state.group = None  # a late joiner is told it missed the step, not handed this group
         await self._withdraw_closed(step)
-        self._missed(step, winner)
+        self._missed(step, f"the round led by {winner} closed without this peer")
 
     async def _planned(self, members: tuple[Member, ...], subgroups: tuple[tuple[int, ...], ...],
                        numel: int) -> tuple[Member, ...]:

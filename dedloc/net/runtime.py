@@ -56,8 +56,10 @@ def _close_all() -> None:
 atexit.register(_close_all)
 
 
-def _error_from(name: str, message: str) -> Exception:
+def _error_from(name: str, message: str, peers: tuple[str, ...] = ()) -> Exception:
     cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, DedlocError):
+        return cls(message, peers=tuple(peers))
     if isinstance(cls, type) and issubclass(cls, Exception):
         return cls(message)
     return DedlocError(f"{name}: {message}")
@@ -270,7 +272,7 @@ async def _serve(conn, factory: str, args: tuple) -> None:
             result = await getattr(service, method)(*a, **kw)
             reply = ("result", rid, result)
         except Exception as e:
-            reply = ("error", rid, type(e).__name__, str(e))
+            reply = ("error", rid, type(e).__name__, str(e), tuple(getattr(e, "peers", ())))
         try:
             conn.send(reply)
         except (OSError, BrokenPipeError):

@@ -54,7 +54,7 @@ from typing import Any, Callable
 import torch
 
 from dedloc.config import OptimizerConfig
-from dedloc.errors import AveragingError, MatchmakingError, ProtocolError, RuntimeClosedError, StateError
+from dedloc.errors import AveragingError, ForkError, MatchmakingError, ProtocolError, RuntimeClosedError, StateError
 from dedloc.state import lineage
 from dedloc.optim.accumulator import GradientAccumulator
 from dedloc.optim.claims import ClaimBounds
@@ -163,6 +163,10 @@ class CollaborativeOptimizer:
         """Steps whose round failed for every member (delayed updates): skipped by all, parameters unchanged."""
         self.forks_refused = 0
         """Downloaded states refused because they rewrite steps the collaboration took otherwise."""
+        self._forks: dict[str, str] = {}
+        """Peer id -> the fingerprint it published when its state was refused as a fork: that record
+        is left out of every view (it is not the collaboration's step) until the peer publishes
+        another (it stepped back, or moved on)."""
         self._inflight: _Inflight | None = None
         self._catchup: _CatchUp | None = None
         self._syncing = False
@@ -350,20 +354,23 @@ class CollaborativeOptimizer:
         the round's stragglers have had ``2 * matchmaking_time + FRESH_GRACE`` to publish it."""
         catchup, self._catchup = self._catchup, None
         while True:
+            downloaded = False
             try:
                 step, blob, donor = catchup.future.result(self.config.state_timeout + 30)
+                downloaded = True
                 state = snapshot.decode(blob)
                 self._check_lineage(state, donor, self.peer.collaboration())
                 break
             except (StateError, ProtocolError, cf.TimeoutError) as e:
-                view = self._report(busy=False)
+                view = self._refused_forks(e, self._report(busy=False))
                 lost = catchup.min_step - 1
                 if self._skip_published(view, catchup.min_step):  # another member concluded first: follow it
                     self._skip_lost_step(lost)
                     return True
-                if isinstance(e, ProtocolError):  # the donor's bytes are not a state, or a fork: start over
+                if isinstance(e, ProtocolError) and downloaded:  # its bytes are not a state, or a fork: start over
                     self._resync(view, f"catching up failed: {e}")
                     return False
+                # (forks refused at their header are left out of the view now: no longer donors, nor "held")
                 held = any(p[0] >= catchup.min_step for r in view.peers
                            if r.role.serves and (p := lineage.parse(r.fingerprint)))
                 # a peer holds the step (asking again can succeed), may yet take it, or may not have
@@ -467,6 +474,10 @@ class CollaborativeOptimizer:
             self.acc.reset()
         self._fingerprint = self._hash()
         self._lineage = lineage.extend(self._lineage, self._fingerprint)
+        if self._pending is None:  # publish the update applied now, not after the next micro-batch: a
+            # closed round past its deadline stands only if a member shows it (matchmaking.py, rule 8)
+            self._pending = (self.peer.report_async(self._record(busy=True)), time.monotonic())
+            self.background_reports += 1
         if self._wanted and self._catchup is None:
             # a peer waits for a newer state: offer it between applying this update and starting the
             # next round (when rounds outlast compute, no report falls in that gap)
@@ -507,12 +518,32 @@ class CollaborativeOptimizer:
         """Take in a view just read (each peer's samples bounded by what it could have computed)."""
         now = time.monotonic()
         self._latency.update(now - sent)
+        view = self._without_forks(view)
         view = self._claims.observe(view, now)
         self._seen = _Seen(view, now)
         self._wanted = self._wanted or wanted
         if self._wanted and self._inflight is None and self._catchup is None:
             self.offer_state()
         return view
+
+    def _without_forks(self, view: CollaborationView) -> CollaborationView:
+        """``view`` less the records whose state this peer refused as a fork (``_forks``)."""
+        if not self._forks:
+            return view
+        published = {r.peer_id: r.fingerprint for r in view.peers}
+        self._forks = {p: f for p, f in self._forks.items() if published.get(p) == f}
+        return view.without(set(self._forks))
+
+    def _refused_forks(self, error: Exception, view: CollaborationView) -> CollaborationView:
+        """Remember the donors that ``error`` (if a ForkError) refused as forks, at the fingerprint
+        they publish in ``view``; returns ``view`` without them."""
+        if isinstance(error, ForkError):
+            published = {r.peer_id: r.fingerprint for r in view.peers}
+            for donor in error.peers:
+                self.forks_refused += 1
+                if published.get(donor):
+                    self._forks[donor] = published[donor]
+        return self._without_forks(view)
 
     def _cached_view_if_far(self) -> CollaborationView | None:
         """The last view read, if the target is far enough that this micro-batch need not wait for a
@@ -600,10 +631,9 @@ class CollaborativeOptimizer:
             return  # it does not fit the model: loading it raises StateError by name
         history = lineage.extend(_lineage_of(state), own)
         if lineage.votes(history, view).outvoted(own=donor):
-            self.forks_refused += 1
             at = lineage.first_conflict(history, view)
-            raise ProtocolError(f"its state of step {state['step']} rewrites step {at}, which the collaboration "
-                                f"took with other parameters (a fork): refused")
+            raise ForkError(f"its state of step {state['step']} rewrites step {at}, which the collaboration "
+                            f"took with other parameters (a fork): refused", peers=(donor,))
 
     def _donors(self, view: CollaborationView, step: int) -> list[str]:
         me = self.peer.peer_id
@@ -685,12 +715,18 @@ class CollaborativeOptimizer:
                                                              self._votes(view))
                 state = snapshot.decode(blob)
                 self._check_lineage(state, donor, view)
-            except ProtocolError as e:  # this donor's bytes are not a state, or not the collaboration's: try others
+            except ForkError as e:  # some donors' states rewrite steps the collaboration took: never again
+                refused.update(e.peers)
+                view = self._refused_forks(e, view)
+                logger.warning(f"{e}; trying another donor")
+                reasons.append(str(e))
+                error: Exception = e
+            except ProtocolError as e:  # this donor's bytes are not a state: try others
                 refused.add(donor)
                 why = f"the state from {donor} was refused: {e}"
                 logger.warning(f"{why}; trying another donor")
                 reasons.append(why)
-                error: Exception = e
+                error = e
             except StateError as e:  # every donor busy or behind: transient while others download too
                 error = e
             else:
@@ -707,7 +743,9 @@ class CollaborativeOptimizer:
                 logger.warning(f"still resyncing to step >= {target} after {now - t0:.0f} s: {error}")
             time.sleep(pause)
             pause = min(5.0, 2 * pause)
-            view = self._report(busy=False)  # stay visible; offer our state if someone waits for it
+            # stay visible; offer our state if someone waits for it. The view leaves out the donors refused
+            # as forks (``_forks``): while such a peer alone is ahead, this peer is not behind anyone
+            view = self._report(busy=False)
             target, donors = self._sync_target(view)
             if target is None:
                 logger.info(f"the collaboration is back at this peer's state of step {self.applied_step}: "

@@ -12,14 +12,17 @@ reading its bytes. Guarantees:
   the training process sees the flag at its next report and offers a fresh state. The donor waits
   for that offer (at most ``FRESH_WAIT``) without holding an upload slot, and answers ``behind`` at
   once when it cannot produce the state: its training loop is behind ``min_step``, or is itself
-  downloading a state (two peers that both wait for the other's newer state never deadlock);
+  downloading or resyncing (two peers that both wait for the other's newer state never deadlock).
+  A requester already waiting is answered as soon as that becomes true (e.g. a forked peer that
+  steps back: it would never produce the step it published);
 - a download has a deadline, checks the announced size against what the requester expects
   (``max_bytes``, sized from its own model; at most ``MAX_STATE_BYTES``) before reading any of
   it, so memory is never sized by a donor's claim, and tries the next donor on
   any failure. Each donor's answer must come within ``HEADER_WAIT`` (a donor that never answers
   costs that much, not the whole deadline); the bytes then get what is left of the deadline, but
   a donor that sends nothing for ``STALL_WAIT`` is given up. It raises StateError naming every
-  donor tried when none succeeded.
+  donor tried when none succeeded (ForkError, with the forked donors in ``peers``, when some
+  were refused as forks: the requester leaves them out of its target, see optim/optimizer.py).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import time
 from dataclasses import dataclass
 
 from dedloc.averaging.wire import VERSION
-from dedloc.errors import ProtocolError, StateError
+from dedloc.errors import ForkError, ProtocolError, StateError
 from dedloc.net import bulk, rpc
 from dedloc.net.node import Node
 from dedloc.net.transport import Transport
@@ -86,6 +89,8 @@ class StateServer:
         self.proto = f"dedloc.{node.config.run_id}.state"
         self.cached: _Cached | None = None
         self.training_step = -1
+        self.syncing = False
+        """The training loop is resyncing (state/optimizer): it offers no state until it holds a new one."""
         self.wanted = False
         self.downloading = 0
         """Downloads this peer has under way: while it waits for a state, it offers no newer one."""
@@ -105,22 +110,35 @@ class StateServer:
             self.wanted = False
             self._offered.notify_all()
 
+    async def progress(self, step: int, syncing: bool) -> None:
+        """The training loop's step and whether it is resyncing (each progress report): a requester
+        waiting for a state the loop can no longer produce is answered ``behind`` at once."""
+        async with self._offered:
+            self.training_step, self.syncing = step, syncing
+            self._offered.notify_all()
+
+    def _cannot_produce(self, min_step: int) -> bool:
+        return self.training_step < min_step or self.downloading > 0 or self.syncing
+
     async def _fresh(self, min_step: int) -> _Cached | None:
         """The cached state if it is at ``min_step`` or later; else wait (bounded) for the training
-        loop to offer one, if it can; None if not."""
-        if self.cached is not None and self.cached.step >= min_step:
+        loop to offer one, while it can (it may start resyncing meanwhile: e.g. a forked peer that
+        steps back); None if not."""
+        def ready() -> bool:
+            return self.cached is not None and self.cached.step >= min_step
+
+        if ready():
             return self.cached
-        if self.training_step < min_step or self.downloading:
+        if self._cannot_produce(min_step):
             return None
         self.wanted = True
         async with self._offered:
             try:
-                await asyncio.wait_for(
-                    self._offered.wait_for(lambda: self.cached is not None and self.cached.step >= min_step),
-                    FRESH_WAIT)
+                await asyncio.wait_for(self._offered.wait_for(lambda: ready() or self._cannot_produce(min_step)),
+                                       FRESH_WAIT)
             except asyncio.TimeoutError:
                 return None
-        return self.cached
+        return self.cached if ready() else None
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Serve one state request (net/serve.py has admitted the peer); True once it wrote last."""
@@ -149,7 +167,10 @@ class StateServer:
         deadline = time.monotonic() + timeout
         limit = min(max_bytes or MAX_STATE_BYTES, MAX_STATE_BYTES)
         reasons: list[str] = []
-        self.downloading += 1
+        forks: list[str] = []
+        async with self._offered:  # a requester waiting on this peer's next state is answered at once
+            self.downloading += 1
+            self._offered.notify_all()
         try:
             for donor in donors:
                 left = deadline - time.monotonic()
@@ -161,12 +182,15 @@ class StateServer:
                         self._download_from(donor, min_step, deadline, limit, votes), left)
                     return step, blob, donor
                 except Exception as e:  # any failure of one donor: try the next
+                    if isinstance(e, ForkError):
+                        forks.append(donor)
                     reasons.append(f"{donor}: {type(e).__name__}: {e}")
                     logger.debug(f"state download from {donor} failed: {e!r}")
         finally:
             self.downloading -= 1
-        raise StateError(f"could not download the state at step >= {min_step}: " + ("; ".join(reasons)
-                         if reasons else "no donor is advertising it"))
+        why = f"could not download the state at step >= {min_step}: " + ("; ".join(reasons) if reasons else
+                                                                          "no donor is advertising it")
+        raise ForkError(why, peers=tuple(forks)) if forks else StateError(why)
 
     async def _download_from(self, donor: str, min_step: int, deadline: float, limit: int,
                              votes: dict[str, str] | None) -> tuple[int, bytes]:
@@ -196,7 +220,7 @@ class StateServer:
             if history is None:
                 raise ProtocolError(f"malformed lineage in the state header of step {step}")
             if votes and lineage.votes_of(history, votes).outvoted(own=donor):
-                raise ProtocolError(f"its state of step {step} rewrites step {lineage.first_conflict_of(history, votes)}, "
+                raise ForkError(f"its state of step {step} rewrites step {lineage.first_conflict_of(history, votes)}, "
                                     f"which the collaboration took with other parameters (a fork): refused before "
                                     f"its {size} bytes")
             return step, bytes(await _receive(reader, writer, size))
