@@ -395,6 +395,6 @@ def test_a_paused_backup_leaves_the_part_to_its_aggregator_not_to_a_second_reduc
     for k in (2, 3):
         assert f"served our part 0 to p{k} after the result deadline (its backup was out of reach)" in caplog.text
         assert "f0>0" in labels(rounds[k]) and rounds[k].stats.failovers == 1
-    assert "served our part 0 to p1 after the result deadline (a second pull)" in caplog.text
+    assert "served our part 0 to p1 after the result deadline (a late pull)" in caplog.text
     assert "serving aggregator p0's result for part 0, fetched again" in caplog.text
     assert "re-reduced part 0" not in caplog.text

@@ -139,7 +139,7 @@ class AggregatorRole:
         finally:
             self._delivered(k)
         logger.info(f"{c.prefix()}: served our part {c.me} to {c.name(k)} after the result deadline "
-                    f"({'a second pull' if header.kind == Kind.PULL else 'its backup was out of reach'})")
+                    f"({'a late pull' if header.kind == Kind.PULL else 'its backup was out of reach'})")
         return True
 
     async def serve_result(self, k: int, header: Header, reader: asyncio.StreamReader,

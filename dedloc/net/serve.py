@@ -167,7 +167,13 @@ class Streams(Transport):
                 await write_message(writer, {"ok": True})
                 return info, lambda: self.limits.release(budget)
 
-            await serve_stream(name, admit, handler, reader, writer, close_wait, self.warnings, logger)
+            try:
+                await serve_stream(name, admit, handler, reader, writer, close_wait, self.warnings, logger)
+            except asyncio.CancelledError:
+                # The daemon's task for this stream is cancelled when the peer shuts down. Python 3.11's
+                # stream callback then logs a traceback ("Exception in callback"), as if it crashed: the
+                # task ends here instead, quietly (nothing awaits its outcome).
+                writer.close()
 
         await self.p2p.add_binary_stream_handler(name, _on_stream)
 

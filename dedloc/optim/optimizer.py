@@ -187,6 +187,8 @@ class CollaborativeOptimizer:
         self._lineage = lineage.extend({}, self._fingerprint)
         """Fingerprints of the recent steps these parameters went through (travels with the state)."""
         self._closed = False
+        self._held_noted: int | None = None
+        """The step whose "already holds the state" resync was last logged at INFO."""
         self._held_at: int | None = None
         """The step whose round this peer holds back, waiting for a reachable trainer (``_would_lead_alone``)."""
         view = self._report(busy=False)
@@ -697,9 +699,11 @@ class CollaborativeOptimizer:
         self._zero_grads()
         view = self._report(busy=False)  # the dropped samples must not count toward the step any more
         target, donors = self._sync_target(view)
-        if target is None:
-            logger.info(f"{reason}: this peer already holds the collaboration's state of step {self.applied_step}; "
-                        f"its gradients are dropped, nothing to download")
+        if target is None:  # under churn a step can fail this way dozens of times: INFO once per step
+            level = logging.DEBUG if self._held_noted == self.applied_step else logging.INFO
+            self._held_noted = self.applied_step
+            logger.log(level, f"{reason}: this peer already holds the collaboration's state of step "
+                              f"{self.applied_step}; its gradients are dropped, nothing to download")
             return False
         logger.info(f"out of sync ({reason}): downloading the state of step >= {target}")
         t0 = warned = time.monotonic()
