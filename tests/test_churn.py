@@ -1,6 +1,7 @@
 """Regressions from the chaos soak (bench/chaos.py): restarts, freezes, forks and rounds lost by all."""
 
 import asyncio
+import concurrent.futures as cf
 import os
 import signal
 import threading
@@ -203,18 +204,22 @@ def test_a_step_lost_by_every_member_is_skipped_by_all():
 
     A fourth peer is resyncing all along, publishing step 2 (the soak: a peer that waited for a later
     state kept the others waiting state_timeout, counted as one that "may still take" the lost step):
-    it must not hold up the decision. state_timeout exceeds the test's wait, so waiting on it fails."""
+    it must not hold up the decision. A fifth publishes step 2 as an ordinary trainer that never takes
+    its round (in the delayed soak, a peer held back by its own catch-up, which waited on the others'
+    decision: 2 minutes): it holds the decision up for a round's length at most. state_timeout exceeds
+    the test's wait, so waiting on either fails."""
     torch.set_num_threads(1)
     rid = run_id()
     avg = AveragingConfig(matchmaking_time=2, averaging_timeout=10, strategy="ring", probe_interval=0)
     peers = [Peer(PeerConfig(run_id=rid), avg)]
-    peers += [Peer(PeerConfig(run_id=rid, initial_peers=tuple(peers[0].maddrs)), avg) for _ in range(3)]
+    peers += [Peer(PeerConfig(run_id=rid, initial_peers=tuple(peers[0].maddrs)), avg) for _ in range(4)]
     cfg = OptimizerConfig(target_batch_size=48, delay_updates=True, state_timeout=400)
     resyncing = threading.Event()
 
-    def publish_resyncing() -> None:  # what a peer inside _resync publishes
+    def publish_resyncing() -> None:  # what a peer inside _resync publishes, and one stuck at step 2
         while not resyncing.wait(0.5):
             peers[3].report(ProgressRecord(peers[3].peer_id, 2, 0, 0.0, Role.TRAINER, time=time.time(), syncing=True))
+            peers[4].report(ProgressRecord(peers[4].peer_id, 2, 8, 1.0, Role.TRAINER, time=time.time()))
     results: dict[int, dict] = {}
     done = threading.Barrier(2, timeout=120)
 
@@ -248,7 +253,7 @@ def test_a_step_lost_by_every_member_is_skipped_by_all():
         while not any(peers[2].peer_id in m for m in peers[0].closed_round(2).values()):
             assert time.monotonic() < deadline, "step 2's group never formed"
             time.sleep(0.01)
-        threads[3].start()  # from here on, peer 3 publishes step 2 while it waits for a later state
+        threads[3].start()  # from here on, peers 3 and 4 publish step 2 (3 while it waits for a later state)
         peers[2].runtime.kill()  # mid-round: the ring cannot complete for anyone
         for t in threads[:2]:
             t.join(200)
@@ -408,6 +413,44 @@ def test_a_closed_record_outliving_its_failed_round_closes_nothing():
         late.close()
 
 
+def test_a_follower_leading_past_its_deadline_still_sees_the_group_that_took_the_step():
+    """The delayed soak's fork at step 153: the smallest peer was killed mid-matchmaking, and its
+    followers' stream opens to it hung until their join deadline. Each then led past that deadline,
+    so its lead loop never read the ready records, saw no one unjoined, skipped the look at the
+    closed records, and took the step alone: two groups of one. Now such a lead reads the ready
+    records once, and misses the step that a group of others took."""
+    from dedloc.averaging.matchmaking import Matchmaker
+    from dedloc.records import Member, ReadyRecord
+
+    rid = run_id()
+    a = Peer(PeerConfig(run_id=rid), AVG)
+    b = Peer(PeerConfig(run_id=rid, initial_peers=tuple(a.maddrs)), AVG)
+    outcome: dict = {}
+
+    async def late_lead(node, finished):
+        me = node.peer_id.to_base58()
+        mm = Matchmaker(node, AVG, share=1.0)
+        member = Member(me, 8.0, 1.0)
+        await node.store(node.key("ready", 0), me, ReadyRecord(member).to_wire(), ttl=60)
+        loop = asyncio.get_running_loop()
+        try:  # what _run_follow does once every leader it tried failed, its deadline already past
+            outcome["group"] = await mm._run_lead(0, member, None, loop.time() - 1, 4, 20.0)
+        except MissedRoundError as e:
+            outcome["missed"] = str(e)
+
+    try:
+        with cf.ThreadPoolExecutor(2) as pool:
+            stats = list(pool.map(lambda p: p.average(torch.ones(4), step=0, weight=8.0, expected_peers=2), (a, b)))
+        assert all(s["group_size"] == 2 for s in stats)
+        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(a.maddrs)), late_lead):
+            pass
+        assert "group" not in outcome, "it took step 0 alone, beside the group that took it"
+        assert "closed without this peer" in outcome["missed"], outcome
+    finally:
+        b.close()
+        a.close()
+
+
 def test_a_slow_but_steady_donor_is_not_given_up():
     """STALL_WAIT bounds silence, not speed: a donor that keeps sending, however slowly (here a byte
     a second, 23 s in all, past the 20 s bound), completes the download."""
@@ -482,7 +525,6 @@ def test_a_round_of_clients_and_aggregators_alone_does_not_close_the_step(make_p
     join: nobody could download that step, yet its closed record told the trainers they had missed
     it, and each retry was 'missed' again until the record expired (a 63 s stall in the soak). Now
     such a group closes the step for its members alone, and the trainer forms a group of its own."""
-    import concurrent.futures as cf
 
     trainer, client, aggregator = make_peers(3, clients=(1,), averaging=AVG)
     with cf.ThreadPoolExecutor(2) as pool:
@@ -500,7 +542,6 @@ def test_a_missed_step_whose_only_holder_vanished_is_skipped_not_awaited():
     which nobody alive would ever hold: they waited, then raised, and the collaboration rewound to
     the backbone's checkpoint (a 258 s stall in the soak). Now a catch-up retries while a holder is
     alive and skips the step, gradients kept, once none is."""
-    import concurrent.futures as cf
 
     from dedloc.errors import StateError
     from dedloc.optim.optimizer import _CatchUp
@@ -548,7 +589,6 @@ def test_a_peer_still_catching_up_does_not_take_the_next_step_alone():
     was pending; alone in it, it published a step ahead of everyone, who then waited for its state
     while it waited (catching up) for theirs: a stall in the soak. Now it holds that round, keeping
     its gradients, until another reachable trainer reaches its step."""
-    import concurrent.futures as cf
 
     from dedloc.optim.optimizer import _CatchUp
     from dedloc.records import ProgressRecord, Role

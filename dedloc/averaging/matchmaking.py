@@ -229,19 +229,25 @@ class Matchmaker:
             logger.debug(f"could not read the progress records: {e!r}")
             return None
 
-    async def _standing(self, step: int) -> tuple[dict[str, list[str]], CollaborationView | None]:
+    async def _standing(self, step: int, with_view: bool = False) -> tuple[dict[str, list[str]], CollaborationView | None]:
         """The groups that close ``step`` (leader -> members; rule 8 drops those whose round is over
-        with no member holding the step's update), and the progress records read with them."""
-        entries, view = await asyncio.gather(self.node.get(self.node.key("closed", step)), self._view())
-        holders = set() if view is None else {r.peer_id for r in view.peers if (r.applied_step or 0) > step}
+        with no member holding the step's update), and the progress records if they were read: with
+        ``with_view``, or when a record's round is over (rule 8 needs them; most reads skip them)."""
+        key, view = self.node.key("closed", step), None
+        if with_view:
+            entries, view = await asyncio.gather(self.node.get(key), self._view())
+        else:
+            entries = await self.node.get(key)
         over = time.time() - CLOSED_GRACE
+        records = [r for leader, (value, _) in entries.items()
+                   if (r := ClosedRecord.from_wire(leader, value)) is not None and r.members is not None]
+        if view is None and not with_view and any(r.until is not None and r.until < over for r in records):
+            view = await self._view()
+        holders = set() if view is None else {r.peer_id for r in view.peers if (r.applied_step or 0) > step}
         out = {}
-        for leader, (value, _) in entries.items():
-            r = ClosedRecord.from_wire(leader, value)
-            if r is None or r.members is None:
-                continue
+        for r in records:
             if r.until is not None and r.until < over and view is not None and not holders & set(r.members):
-                logger.debug(f"step {step}: the round {leader} closed is over and no member holds its update: "
+                logger.debug(f"step {step}: the round {r.leader} closed is over and no member holds its update: "
                              f"it closes nothing")
                 continue
             out[r.leader] = list(r.members)
@@ -251,13 +257,13 @@ class Matchmaker:
         """Leader -> members of every group that closes ``step`` (``_standing``)."""
         return (await self._standing(step))[0]
 
-    async def _why_missed(self, step: int) -> str | None:
-        """Why this peer cannot take ``step`` any more (rules 4 and 7), None if it can."""
-        closed, view = await self._standing(step)
+    async def _why_missed(self, step: int, took: bool = False) -> str | None:
+        """Why this peer cannot take ``step`` any more (rule 4; rule 7 too with ``took``), None if it can."""
+        closed, view = await self._standing(step, with_view=took)
         leader = next((leader for leader, members in closed.items() if self.me not in members), None)
         if leader is not None:
             return f"the round led by {leader} closed without this peer"
-        if view is not None and view.took(step, exclude=self.me):
+        if took and view is not None and view.took(step, exclude=self.me):
             return "the collaboration already took it (most training peers hold the parameters after it)"
         return None
 
@@ -293,7 +299,7 @@ class Matchmaker:
         # and this call), from the others' progress records: it would otherwise take the step alone.
         _, missed = await asyncio.gather(
             self.node.store(self.node.key("ready", step), self.me, ReadyRecord(me, int(numel)).to_wire(), ttl=ready_ttl),
-            self._why_missed(step))
+            self._why_missed(step, took=True))
         if missed:
             self._missed(step, missed)
         while True:
@@ -329,9 +335,11 @@ class Matchmaker:
         self._lead[step] = state
         self._decision(step).set()
         ready: dict[str, Member] = {self.me: me}
+        looked = False
         while loop.time() < close_deadline:
             try:  # a slow DHT (a dead or frozen node) must not hold the joiners past their deadline
                 ready = await asyncio.wait_for(self._ready(step, me), max(0.05, close_deadline - loop.time()))
+                looked = True
             except asyncio.TimeoutError:
                 break
             unreachable = self._unreachable.get(step, set())
@@ -355,8 +363,20 @@ class Matchmaker:
             if set(ready) - unreachable <= set(state.members) and (not expected or len(state.members) >= expected):
                 break
             await asyncio.sleep(POLL)
-        unjoined = bool(set(ready) - self._unreachable.get(step, set()) - set(state.members))
         alone = len(state.members) == 1
+        if not looked and alone:
+            # A follower whose leader's stream open hung until its own deadline (a leader killed
+            # mid-matchmaking) leads past that deadline, so the loop above never looked: it must
+            # still see the others who gave up on the same leader (in the delayed soak, two such
+            # peers each took step 153 alone). Nobody waits on this answer.
+            try:
+                ready = await asyncio.wait_for(self._ready(step, me), self.config.matchmaking_time)
+            except Exception as e:
+                state.done.set()
+                self._decision(step).set()
+                raise MatchmakingError(f"step {step}: leading past the join deadline, and the step's ready records "
+                                       f"could not be read ({type(e).__name__}); not taking the step alone") from None
+        unjoined = bool(set(ready) - self._unreachable.get(step, set()) - set(state.members))
         if unjoined:
             # Ready peers never joined: they may have formed a group of their own before this peer's
             # ready record reached them (it woke from a freeze, or its state download just ended),

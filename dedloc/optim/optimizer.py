@@ -352,7 +352,8 @@ class CollaborativeOptimizer:
         If no peer has the state (the round failed for every member), the members agree that the
         step is lost: each skips it, parameters unchanged, once no live peer shows the update
         applied, no training peer is still at that step (it may yet take it: e.g. the others, whose
-        round had not started when this peer's failed; this wait is bounded by ``state_timeout``), and
+        round had not started when this peer's failed; this wait is bounded by a round's length,
+        ``2 * matchmaking_time + averaging_timeout + FRESH_GRACE``, and by ``state_timeout``), and
         the round's stragglers have had ``2 * matchmaking_time + FRESH_GRACE`` to publish it."""
         catchup, self._catchup = self._catchup, None
         while True:
@@ -378,8 +379,13 @@ class CollaborativeOptimizer:
                 # a peer holds the step (asking again can succeed), may yet take it, or may not have
                 # published it yet; once none does, the step is lost for every peer alive
                 waited = time.monotonic() - catchup.started
-                if held or (self._may_still_take(view, lost) and waited < self.config.state_timeout) or \
-                        waited < 2 * self.peer.averaging.matchmaking_time + FRESH_GRACE:
+                avg = self.peer.averaging
+                # a peer still accumulating for the lost step has had a round's length to take it; one
+                # that has not by then is frozen, or waits on this peer (its own catch-up): in the soak a
+                # peer held back while catching up kept this wait going for 2 minutes
+                window = min(self.config.state_timeout, 2 * avg.matchmaking_time + avg.averaging_timeout + FRESH_GRACE)
+                if held or (self._may_still_take(view, lost) and waited < window) or \
+                        waited < 2 * avg.matchmaking_time + FRESH_GRACE:
                     if wait:
                         time.sleep(0.5)  # a member whose round succeeded may not have published it yet
                     catchup = _CatchUp(catchup.min_step, self.peer.download_state_async(
@@ -476,10 +482,6 @@ class CollaborativeOptimizer:
             self.acc.reset()
         self._fingerprint = self._hash()
         self._lineage = lineage.extend(self._lineage, self._fingerprint)
-        if self._pending is None:  # publish the update applied now, not after the next micro-batch: a
-            # closed round past its deadline stands only if a member shows it (matchmaking.py, rule 8)
-            self._pending = (self.peer.report_async(self._record(busy=True)), time.monotonic())
-            self.background_reports += 1
         if self._wanted and self._catchup is None:
             # a peer waits for a newer state: offer it between applying this update and starting the
             # next round (when rounds outlast compute, no report falls in that gap)
