@@ -41,3 +41,29 @@ class PerPeerWarnings:
             self.logger.log(level, message + f" (more from this peer within {self.interval:.0f} s: at DEBUG)")
         else:
             self.logger.debug(message)
+
+
+class OncePerStep:
+    """Events logged at INFO the first time they happen in a step, at DEBUG after: under churn a
+    peer can meet the same condition (step down, retry, stay held back) dozens of times in one
+    step. Remembers the newest ``keep`` steps."""
+
+    def __init__(self, logger: logging.Logger, keep: int = 64):
+        self.logger, self.keep = logger, keep
+        self._seen: dict[int, set[str]] = {}
+
+    def log(self, step: int, event: str, message: str) -> None:
+        """Log ``message`` at INFO if ``event`` is new in ``step``, else at DEBUG."""
+        seen = self._seen.setdefault(step, set())
+        self.logger.log(logging.DEBUG if event in seen else logging.INFO, message)
+        seen.add(event)
+        while len(self._seen) > self.keep:
+            self._seen.pop(min(self._seen))
+
+    def seen(self, step: int, event: str) -> bool:
+        """Whether ``event`` happened in ``step`` (and was not forgotten since)."""
+        return event in self._seen.get(step, ())
+
+    def forget(self, step: int, event: str) -> None:
+        """The condition behind ``event`` ended: its next occurrence in ``step`` is news again."""
+        self._seen.get(step, set()).discard(event)

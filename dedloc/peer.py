@@ -215,6 +215,13 @@ class Peer:
         """Members of each group that closed for ``step`` (leader -> peer ids), read from the DHT."""
         return self.runtime.call("closed_round", step)
 
+    def round_deadline(self, step: int) -> float | None:
+        """Until when (wall clock) a round of ``step`` may still finish: the latest deadline of the
+        groups that closed it, plus a grace for clock skew; None if none did. Raises DedlocError if
+        the DHT cannot be read, TimeoutError if the runtime does not answer within
+        ``2 * matchmaking_time + 10`` s."""
+        return self.runtime.call("round_deadline", step, timeout=2 * self.averaging.matchmaking_time + 10)
+
     # ---- lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:
         self.runtime.close()

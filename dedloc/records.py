@@ -24,6 +24,14 @@ def weight_ok(weight: float) -> bool:
     return math.isfinite(weight) and 0 <= weight <= MAX_WEIGHT
 
 
+def parse_fingerprint(fingerprint: str) -> tuple[int, str] | None:
+    """``(applied step, hash)`` of a published ``"<step>:<hash>"`` fingerprint; None if malformed."""
+    step, sep, digest = fingerprint.partition(":")
+    if not sep or not digest or not step.isdigit():
+        return None
+    return int(step), digest
+
+
 class Role(str, enum.Enum):
     TRAINER = "trainer"
     AGGREGATOR = "aggregator"  # aggregates, trains nothing (weight 0)
@@ -73,8 +81,8 @@ class ProgressRecord:
     @property
     def applied_step(self) -> int | None:
         """The step of the parameters this peer holds (from its fingerprint; None if it publishes none)."""
-        step = self.fingerprint.partition(":")[0]
-        return int(step) if step.isdigit() else None
+        parsed = parse_fingerprint(self.fingerprint)
+        return None if parsed is None else parsed[0]
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)

@@ -39,7 +39,7 @@ MONITORED = frozenset({"progress", "caps", "rounds", "credits", "ledger"})
 
 class PeerService:
     PUBLIC = frozenset({"info", "publish_progress", "read_progress", "register_buffer", "average", "ping",
-                        "closed_round", "report", "offer_state", "download_state", "leave", "probe",
+                        "closed_round", "round_deadline", "report", "offer_state", "download_state", "leave", "probe",
                         "capabilities", "reconfigure", "pending_numel", "connections", "stream_counts",
                         "read_records", "publish_record"})
 
@@ -257,6 +257,9 @@ class PeerService:
 
     async def closed_round(self, step: int) -> dict[str, list[str]]:
         return await self.averager.matchmaker.closed_round(step)
+
+    async def round_deadline(self, step: int) -> float | None:
+        return await self.averager.matchmaker.round_deadline(step)
 
     async def shutdown(self, drain: bool = True) -> None:
         """Leave: finish serving parts others still read from us (``drain``, bounded), then stop.

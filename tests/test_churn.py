@@ -280,15 +280,18 @@ def test_a_step_lost_by_every_member_is_skipped_by_all():
             p.close()
 
 
-def test_a_donor_that_stalls_mid_transfer_does_not_take_the_whole_deadline():
+def test_a_stalled_donor_is_given_up_after_stall_wait_but_a_slow_steady_one_is_not():
     """A donor frozen after its header (a stopped laptop) once held a newcomer for all of
-    state_timeout: the bytes had no bound of their own. Now the next donor is tried after STALL_WAIT."""
+    state_timeout: the bytes had no bound of their own. Now the next donor is tried after STALL_WAIT.
+    STALL_WAIT bounds silence, not speed: a donor that keeps sending, however slowly (a byte a
+    second, 23 s in all, past the 20 s bound), completes its download. The two downloads run at once."""
 
     from dedloc.net import rpc
 
     rid = run_id()
     good = Peer(PeerConfig(run_id=rid), AVG)
     newcomer = Peer(PeerConfig(run_id=rid, initial_peers=tuple(good.maddrs)), AVG)
+    blob = bytes(range(23))
 
     async def stall(node, finished):
         async def serve(info, reader, writer):
@@ -301,11 +304,28 @@ def test_a_donor_that_stalls_mid_transfer_does_not_take_the_whole_deadline():
 
         await node.streams.serve(f"dedloc.{rid}.state", serve)
 
+    async def trickle(node, finished):
+        async def serve(info, reader, writer):
+            await rpc.read_message(reader)
+            await rpc.write_message(writer, {"step": 4, "size": len(blob)})
+            for b in blob:
+                writer.write(bytes([b]))
+                await writer.drain()
+                await asyncio.sleep(1.0)  # a slow link: a byte a second (pacing, not synchronisation)
+            await rpc.wait_peer_closed(reader, 30)
+            writer.close()
+
+        await node.streams.serve(f"dedloc.{rid}.state", serve)
+
     try:
-        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(good.maddrs)), stall) as staller:
+        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(good.maddrs)), stall) as staller, \
+                bare_node(PeerConfig(run_id=rid, initial_peers=tuple(good.maddrs)), trickle) as slow, \
+                cf.ThreadPoolExecutor(1) as pool:
             good.offer_state(3, b"a state of step 3")
-            step, blob, donor = newcomer.download_state([staller, good.peer_id], 3, timeout=60)
-            assert (step, blob, donor) == (3, b"a state of step 3", good.peer_id)
+            slowly = pool.submit(newcomer.download_state, [slow], 4, 90)
+            assert newcomer.download_state([staller, good.peer_id], 3, timeout=60) == \
+                (3, b"a state of step 3", good.peer_id)
+            assert slowly.result(90) == (4, blob, slow)
     finally:
         newcomer.close()
         good.close()
@@ -451,36 +471,6 @@ def test_a_follower_leading_past_its_deadline_still_sees_the_group_that_took_the
         a.close()
 
 
-def test_a_slow_but_steady_donor_is_not_given_up():
-    """STALL_WAIT bounds silence, not speed: a donor that keeps sending, however slowly (here a byte
-    a second, 23 s in all, past the 20 s bound), completes the download."""
-
-    from dedloc.net import rpc
-
-    rid = run_id()
-    newcomer = Peer(PeerConfig(run_id=rid), AVG)
-    blob = bytes(range(23))
-
-    async def trickle(node, finished):
-        async def serve(info, reader, writer):
-            await rpc.read_message(reader)
-            await rpc.write_message(writer, {"step": 3, "size": len(blob)})
-            for b in blob:
-                writer.write(bytes([b]))
-                await writer.drain()
-                await asyncio.sleep(1.0)  # a slow link: a byte a second (pacing, not synchronisation)
-            await rpc.wait_peer_closed(reader, 30)
-            writer.close()
-
-        await node.streams.serve(f"dedloc.{rid}.state", serve)
-
-    try:
-        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(newcomer.maddrs)), trickle) as slow:
-            assert newcomer.download_state([slow], 3, timeout=90) == (3, blob, slow)
-    finally:
-        newcomer.close()
-
-
 @pytest.mark.timeout(240)
 def test_a_client_whose_round_failed_does_not_run_ahead_alone():
     """Delayed updates: a client-mode peer whose round failed (the reachable trainer was not there)
@@ -499,7 +489,7 @@ def test_a_client_whose_round_failed_does_not_run_ahead_alone():
         if copt.global_step == 2 and not getattr(pause_at_two, "done", False):
             pause_at_two.done = True
             deadline = time.monotonic() + 25  # within the trainer's record's lifetime (progress_ttl)
-            while time.monotonic() < deadline and getattr(tc.opt, "_held_at", None) is None and not tc.opt.skipped_steps \
+            while time.monotonic() < deadline and not tc.opt._noted.seen(tc.opt.global_step, "held back") and not tc.opt.skipped_steps \
                     and tc.opt.global_step < 4:
                 time.sleep(0.05)
 
@@ -584,6 +574,83 @@ def test_a_missed_step_whose_only_holder_vanished_is_skipped_not_awaited():
         peer.close()
 
 
+def test_a_lost_step_is_skipped_only_once_no_round_may_finish_and_the_view_is_fresh():
+    """Delayed updates: two ways the delayed soak skipped a step that others took (a fork, healed
+    later by the lineage vote), each a phase here:
+
+    1. The aggregator-only peer led step 440's round with its own 60 s deadline (the leader's
+       deadline binds every member), while a member that had failed waited only its own round
+       length (20 s). Now the step is skipped only once every group that closed it is past its
+       deadline (its closed record's ``until``, plus CLOSED_GRACE).
+    2. A peer resumed from a 23 s freeze read nobody else for 15 s (its stale local copy of the
+       DHT) and concluded that nobody held step 753, which all the others had taken. Now a skip
+       needs news from another peer since the catch-up started.
+    3. With both, the step is skipped."""
+
+    from dedloc.averaging.matchmaking import CLOSED_GRACE
+    from dedloc.optim.optimizer import _CatchUp
+    from dedloc.records import ClosedRecord
+
+    rid = run_id()
+    peer = Peer(PeerConfig(run_id=rid), AVG)
+    until = time.time() + 4  # a leader with a longer deadline than this peer's own round length
+    speak, published = threading.Event(), []
+
+    async def leader(node, finished):  # closed step 0 with this peer in its group; a trainer at step 1
+        me = node.peer_id.to_base58()
+
+        async def publish():
+            record = ProgressRecord(me, 1, 0, 1.0, Role.TRAINER, fingerprint="0:feedbeef", time=time.time())
+            await node.store(node.key("progress"), me, record.to_wire(), ttl=60.0)
+            published.append(record.time)
+
+        async def later():
+            await asyncio.to_thread(speak.wait, 60)
+            await publish()
+
+        await node.store(node.key("closed", 0), me, ClosedRecord(me, (me, peer.peer_id), until).to_wire(), ttl=60.0)
+        await publish()
+        asyncio.get_running_loop().create_task(later())
+
+    try:
+        model = make_model()
+        opt, sched = make_opt(model)
+        copt = CollaborativeOptimizer(opt, peer, OptimizerConfig(target_batch_size=10_000, delay_updates=True,
+                                                                 state_timeout=90),
+                                      scheduler=sched, model=model)
+        copt.global_step = 1  # round 0 ran in the background and failed for this peer
+        model[0].weight.sum().backward()
+        copt.step(8)
+        failed: cf.Future = cf.Future()
+        failed.set_exception(StateError("no state at step >= 1"))
+        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs)), leader) as other:
+            deadline = time.monotonic() + 20
+            while peer.round_deadline(0) is None or not any(r.peer_id == other for r in peer.collaboration().peers):
+                assert time.monotonic() < deadline, "the leader's records never showed"
+                time.sleep(0.1)
+            assert peer.round_deadline(0) == pytest.approx(until + CLOSED_GRACE)
+            # 1: news (the leader's record is new to this catch-up), and it waited past its own round
+            # length (2 * 2 + 20 + 10 s) already: only the leader's deadline holds it
+            copt._catchup = _CatchUp(1, failed, time.monotonic() - 40)
+            assert copt._land_catchup(wait=False), "gradients dropped"
+            assert copt.skipped_steps == 0 and copt._catchup is not None, \
+                "it skipped the step while a round that closed it could still finish"
+            while time.time() < until + CLOSED_GRACE:  # the round's deadline passes
+                time.sleep(0.1)
+            # 2: the same view as when the catch-up started: no news from anyone
+            copt._catchup = _CatchUp(1, failed, time.monotonic() - 40, {other: published[0]})
+            assert copt._land_catchup(wait=False), "gradients dropped"
+            assert copt.skipped_steps == 0 and copt._catchup is not None, \
+                "it skipped the step on a view that brought no news since the catch-up started"
+            speak.set()  # 3: the leader publishes again; nobody holds step 1: skipped
+            assert copt._land_catchup(wait=True), "gradients dropped"
+            assert len(published) == 2
+            assert copt.skipped_steps == 1 and copt.applied_step == 1 and copt.acc.samples == 8
+        copt.close()
+    finally:
+        peer.close()
+
+
 def test_a_peer_still_catching_up_does_not_take_the_next_step_alone():
     """Delayed updates: a trainer whose round failed went on to the next round while its catch-up
     was pending; alone in it, it published a step ahead of everyone, who then waited for its state
@@ -624,7 +691,7 @@ def test_a_peer_still_catching_up_does_not_take_the_next_step_alone():
                 model[0].weight.sum().backward()
                 assert copt.step(8) == StepOutcome.ACCUMULATED and copt._inflight is None, \
                     "it took the step alone while catching up"
-            assert copt.acc.samples == 24 and copt._held_at == 2
+            assert copt.acc.samples == 24 and copt._noted.seen(2, "held back")
             moved.set()
             deadline = time.monotonic() + 20
             while copt._would_lead_alone(peer.collaboration()):

@@ -419,6 +419,29 @@ def test_per_peer_warnings_warn_once_per_interval_per_peer(caplog):
     assert ("WARNING", "bad request from peerB") in levels and ("WARNING", "bad request from peerC") in levels
 
 
+def test_once_per_step_logs_an_event_at_info_once_per_step_until_forgotten(caplog):
+    import logging
+
+    from dedloc.logs import OncePerStep
+
+    log = logging.getLogger("dedloc.test.oncepersstep")
+    log.propagate = True
+    noted = OncePerStep(log, keep=2)
+    with caplog.at_level(logging.DEBUG, logger="dedloc.test.oncepersstep"):
+        for step in (1, 1, 1, 2, 2):
+            noted.log(step, "held", f"held at {step}")
+        noted.log(2, "other", "another event at 2")
+        noted.forget(2, "held")  # the condition ended: news again
+        noted.log(2, "held", "held at 2")
+        noted.log(3, "held", "held at 3")  # keep=2: step 1 is forgotten
+        noted.log(1, "held", "held at 1")
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert info == ["held at 1", "held at 2", "another event at 2", "held at 2", "held at 3", "held at 1"]
+    assert debug == ["held at 1", "held at 1", "held at 2"]
+    assert noted.seen(3, "held") and not noted.seen(3, "other")
+
+
 def test_claim_bounds_count_implausible_samples_at_their_bound_and_bound_weights():
     from dedloc.optim.claims import NEW_SPEED, SLACK, ClaimBounds
     from dedloc.records import CollaborationView, ProgressRecord, Role

@@ -53,7 +53,7 @@ from dedloc.averaging.group import Group, Member, split_into_subgroups
 from dedloc.averaging.wire import VERSION
 from dedloc.config import AveragingConfig
 from dedloc.errors import MatchmakingError, MissedRoundError, ProtocolError
-from dedloc.logs import PerPeerWarnings
+from dedloc.logs import OncePerStep, PerPeerWarnings
 from dedloc.net import rpc
 from dedloc.net.node import Node
 from dedloc.net.tcp import KEY_BYTES
@@ -132,7 +132,7 @@ class Matchmaker:
         self._unreachable: dict[int, set[str]] = {}
         """Per step, leaders this peer could not reach: never stepped down for again (stepping down
         and failing to reach them would loop until the deadline)."""
-        self._noted: dict[int, set[str]] = {}
+        self._noted = OncePerStep(logger)
         """Per step, the matchmaking events already logged at INFO (repeats go to DEBUG)."""
         self._failed: set[int] = set()
         """Steps whose round failed at this peer and that it has not started matchmaking for again."""
@@ -157,7 +157,6 @@ class Matchmaker:
                 self._follow.pop(old, None)
                 self._unreachable.pop(old, None)
                 self._stepped_down.pop(old, None)
-                self._noted.pop(old, None)
                 self._failed.discard(old)
         return self._decided[step]
 
@@ -195,11 +194,8 @@ class Matchmaker:
         return 3 * self.config.matchmaking_time + self.config.averaging_timeout
 
     def _note(self, step: int, event: str, message: str) -> None:
-        """Log ``message`` at INFO the first time ``event`` happens in ``step``, and at DEBUG after:
-        under churn a peer can step down, retry and be redirected dozens of times in one second."""
-        seen = self._noted.setdefault(step, set())
-        logger.log(logging.DEBUG if event in seen else logging.INFO, f"step {step}: {message}")
-        seen.add(event)
+        """Log ``message`` at INFO the first time ``event`` happens in ``step`` (at DEBUG after)."""
+        self._noted.log(step, event, f"step {step}: {message}")
 
     # ---- DHT views -----------------------------------------------------------------------------
     async def _ready(self, step: int, me: Member) -> dict[str, Member]:
@@ -233,14 +229,12 @@ class Matchmaker:
         """The groups that close ``step`` (leader -> members; rule 8 drops those whose round is over
         with no member holding the step's update), and the progress records if they were read: with
         ``with_view``, or when a record's round is over (rule 8 needs them; most reads skip them)."""
-        key, view = self.node.key("closed", step), None
+        view = None
         if with_view:
-            entries, view = await asyncio.gather(self.node.get(key), self._view())
+            records, view = await asyncio.gather(self._closed(step), self._view())
         else:
-            entries = await self.node.get(key)
+            records = await self._closed(step)
         over = time.time() - CLOSED_GRACE
-        records = [r for leader, (value, _) in entries.items()
-                   if (r := ClosedRecord.from_wire(leader, value)) is not None and r.members is not None]
         if view is None and not with_view and any(r.until is not None and r.until < over for r in records):
             view = await self._view()
         holders = set() if view is None else {r.peer_id for r in view.peers if (r.applied_step or 0) > step}
@@ -252,6 +246,18 @@ class Matchmaker:
                 continue
             out[r.leader] = list(r.members)
         return out, view
+
+    async def _closed(self, step: int) -> list[ClosedRecord]:
+        """The closed records of ``step`` that close a group (withdrawn and malformed ones left out)."""
+        entries = await self.node.get(self.node.key("closed", step))
+        return [r for leader, (value, _) in entries.items()
+                if (r := ClosedRecord.from_wire(leader, value)) is not None and r.members is not None]
+
+    async def round_deadline(self, step: int) -> float | None:
+        """The latest deadline (wall clock, each its leader's) of the groups that closed ``step``,
+        plus ``CLOSED_GRACE``: until then a round of ``step`` may still finish and its members take
+        the step. None if no group closed it (or none said its deadline)."""
+        return max((r.until + CLOSED_GRACE for r in await self._closed(step) if r.until is not None), default=None)
 
     async def closed_round(self, step: int) -> dict[str, list[str]]:
         """Leader -> members of every group that closes ``step`` (``_standing``)."""

@@ -48,13 +48,15 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from dedloc.config import OptimizerConfig
-from dedloc.errors import AveragingError, ForkError, MatchmakingError, ProtocolError, RuntimeClosedError, StateError
+from dedloc.errors import (AveragingError, DedlocError, ForkError, MatchmakingError, ProtocolError, RuntimeClosedError,
+                           StateError)
+from dedloc.logs import OncePerStep
 from dedloc.state import lineage
 from dedloc.optim.accumulator import GradientAccumulator
 from dedloc.optim.claims import ClaimBounds
@@ -108,6 +110,8 @@ class _CatchUp:
     future: cf.Future
     """Of ``Peer.download_state``'s (step, blob, donor)."""
     started: float
+    heard: dict[str, float] = field(default_factory=dict)
+    """Each peer's record's publish time in the view read at the start (``_heard_from_others``)."""
 
 
 @dataclass
@@ -187,10 +191,8 @@ class CollaborativeOptimizer:
         self._lineage = lineage.extend({}, self._fingerprint)
         """Fingerprints of the recent steps these parameters went through (travels with the state)."""
         self._closed = False
-        self._held_noted: int | None = None
-        """The step whose "already holds the state" resync was last logged at INFO."""
-        self._held_at: int | None = None
-        """The step whose round this peer holds back, waiting for a reachable trainer (``_would_lead_alone``)."""
+        self._noted = OncePerStep(logger)
+        """Conditions met again and again within a step (held back, already holds the state): INFO once."""
         view = self._report(busy=False)
         if view.global_step > self.global_step or self._disagrees(view):
             self._resync(view, "joining a collaboration at step %d" % view.global_step)
@@ -342,7 +344,7 @@ class CollaborativeOptimizer:
                     f"still accumulating for step {self.global_step}")
         self._catchup = _CatchUp(step, self.peer.download_state_async(donors, step, self.config.state_timeout,
                                                                       self._max_state_bytes, self._votes(view)),
-                                 time.monotonic())
+                                 time.monotonic(), {r.peer_id: r.time for r in view.peers})
         self.catchups += 1
 
     def _land_catchup(self, wait: bool = True) -> bool:
@@ -353,8 +355,10 @@ class CollaborativeOptimizer:
         step is lost: each skips it, parameters unchanged, once no live peer shows the update
         applied, no training peer is still at that step (it may yet take it: e.g. the others, whose
         round had not started when this peer's failed; this wait is bounded by a round's length,
-        ``2 * matchmaking_time + averaging_timeout + FRESH_GRACE``, and by ``state_timeout``), and
-        the round's stragglers have had ``2 * matchmaking_time + FRESH_GRACE`` to publish it."""
+        ``2 * matchmaking_time + averaging_timeout + FRESH_GRACE``, and by ``state_timeout``), no
+        group that closed the step may still finish its round (its leader's deadline, published in
+        its closed record, plus ``CLOSED_GRACE``; bounded by ``state_timeout``), and the round's
+        stragglers have had ``2 * matchmaking_time + FRESH_GRACE`` to publish it."""
         catchup, self._catchup = self._catchup, None
         while True:
             downloaded = False
@@ -368,14 +372,13 @@ class CollaborativeOptimizer:
                 view = self._refused_forks(e, self._report(busy=False))
                 lost = catchup.min_step - 1
                 if self._skip_published(view, catchup.min_step):  # another member concluded first: follow it
-                    self._skip_lost_step(lost)
+                    self._skip_lost_step(lost, view, followed=True)
                     return True
                 if isinstance(e, ProtocolError) and downloaded:  # its bytes are not a state, or a fork: start over
                     self._resync(view, f"catching up failed: {e}")
                     return False
                 # (forks refused at their header are left out of the view now: no longer donors, nor "held")
-                held = any(p[0] >= catchup.min_step for r in view.peers
-                           if r.role.serves and (p := lineage.parse(r.fingerprint)))
+                held = any((r.applied_step or 0) >= catchup.min_step for r in view.peers if r.role.serves)
                 # a peer holds the step (asking again can succeed), may yet take it, or may not have
                 # published it yet; once none does, the step is lost for every peer alive
                 waited = time.monotonic() - catchup.started
@@ -385,17 +388,19 @@ class CollaborativeOptimizer:
                 # peer held back while catching up kept this wait going for 2 minutes
                 window = min(self.config.state_timeout, 2 * avg.matchmaking_time + avg.averaging_timeout + FRESH_GRACE)
                 if held or (self._may_still_take(view, lost) and waited < window) or \
-                        waited < 2 * avg.matchmaking_time + FRESH_GRACE:
+                        waited < 2 * avg.matchmaking_time + FRESH_GRACE or \
+                        (waited < self.config.state_timeout and not self._heard_from_others(view, catchup.heard)) or \
+                        self._round_may_finish(lost, waited):
                     if wait:
                         time.sleep(0.5)  # a member whose round succeeded may not have published it yet
                     catchup = _CatchUp(catchup.min_step, self.peer.download_state_async(
                         self._donors(view, catchup.min_step), catchup.min_step, FRESH_GRACE, self._max_state_bytes,
-                        self._votes(view)), catchup.started)
+                        self._votes(view)), catchup.started, catchup.heard)
                     if not wait:
                         self._catchup = catchup
                         return True
                     continue
-                self._skip_lost_step(lost)
+                self._skip_lost_step(lost, view)
                 return True
         inflight, global_step = self._inflight, self.global_step
         self.load_state_dict(state)  # sets both steps to the state's
@@ -423,6 +428,35 @@ class CollaborativeOptimizer:
         skipped = f"{step}:{self._fingerprint.partition(':')[2]}"
         return any(r.fingerprint == skipped for r in view.peers if r.peer_id != self.peer.peer_id)
 
+    def _heard_from_others(self, view: CollaborationView, heard: dict[str, float]) -> bool:
+        """Whether ``view`` brings news from another peer since ``heard`` (each peer's record's publish
+        time when the catch-up started): a record published later, or a peer not seen then. Without
+        news, the view may be this peer's stale local copy rather than the collaboration's: in the
+        delayed soak a peer resumed from a 23 s freeze read nobody else for 15 s, concluded that
+        nobody held the step the others had all taken, and skipped it (a fork, healed later by the
+        lineage vote). Clock-skew free: only one peer's own publish times are compared."""
+        me = self.peer.peer_id
+        return any(r.time > heard.get(r.peer_id, -math.inf) for r in view.peers if r.peer_id != me)
+
+    def _round_may_finish(self, step: int, waited: float) -> bool:
+        """A group closed ``step`` and its round may still finish: its deadline (plus a grace) is
+        ahead. The leader sets that deadline, so it can exceed this peer's own round length (in the
+        delayed soak, the aggregator-only peer led with its 60 s default while the trainers skipped
+        the step after their own 20 s, and the step was both skipped and taken). Bounded by
+        ``state_timeout`` from the catch-up's start; a DHT that cannot be read counts as "may"."""
+        if waited >= self.config.state_timeout:
+            return False
+        try:
+            until = self.peer.round_deadline(step)
+        except (DedlocError, cf.TimeoutError) as e:
+            logger.debug(f"step {step}: could not read its closed rounds ({e!r}); waiting on")
+            return True
+        if until is not None and time.time() < until:
+            self._noted.log(step, "round runs", f"step {step}: a round of it may still finish (its deadline is "
+                            f"{until - time.time():.0f} s ahead): waiting for it before skipping the step")
+            return True
+        return False
+
     def _may_still_take(self, view: CollaborationView, step: int) -> bool:
         """Another training peer is still accumulating for ``step``: it has not started that round
         (a peer resyncing does not count: it takes no round before it holds a later state)."""
@@ -444,24 +478,27 @@ class CollaborativeOptimizer:
         cannot_serve = self.peer.role == Role.CLIENT or self._catchup is not None
         if not cannot_serve or others is None or others >= self.global_step or \
                 not any(r.role == Role.TRAINER for r in view.peers if r.peer_id != me):
-            self._held_at = None
+            self._noted.forget(self.global_step, "held back")
             return False
-        if self._held_at != self.global_step:
-            self._held_at = self.global_step
-            why = "a client-mode peer" if self.peer.role == Role.CLIENT else "a peer still catching up"
-            logger.info(f"step {self.global_step}: no other reachable trainer has reached it yet (they are at step "
-                        f"{others}); {why} does not lead, so it keeps accumulating")
+        why = "a client-mode peer" if self.peer.role == Role.CLIENT else "a peer still catching up"
+        self._noted.log(self.global_step, "held back", f"step {self.global_step}: no other reachable trainer has reached "
+                        f"it yet (they are at step {others}); {why} does not lead, so it keeps accumulating")
         return True
 
-    def _skip_lost_step(self, step: int) -> None:
-        """Every member lost the round of ``step``: count it as taken without an update, as they all do."""
+    def _skip_lost_step(self, step: int, view: CollaborationView, followed: bool = False) -> None:
+        """Every member lost the round of ``step``: count it as taken without an update, as they all do
+        (``followed``: another peer concluded so first). The log names what ``view`` showed."""
         self.applied_step = step + 1
         self._fingerprint = self._hash()
         self._lineage = lineage.extend(self._lineage, self._fingerprint)
         self.skipped_steps += 1
         self.history.append(RoundRecord(step, 0, 0.0, 0, 0.0, True))
-        logger.warning(f"step {step} was lost by every member (no peer holds its update): skipped by all, "
-                       f"parameters unchanged; still accumulating for step {self.global_step}")
+        others = [r for r in view.peers if r.peer_id != self.peer.peer_id]
+        newest = max((a for r in others if (a := r.applied_step) is not None), default=None)
+        why = "another peer skipped it" if followed else \
+            f"none of the {len(others)} other peers in view holds its update (newest applied step: {newest})"
+        logger.warning(f"step {step} was lost by every member ({why}): skipped by all, parameters unchanged; "
+                       f"still accumulating for step {self.global_step}")
 
     def _apply(self, step: int, vector: torch.Tensor, stats: dict[str, Any], local_samples: int,
                started: float) -> StepOutcome:
@@ -666,7 +703,7 @@ class CollaborativeOptimizer:
         me = self.peer.peer_id
         if self.config.verify_sync and self._forked(view):  # step back to the history the others took
             theirs = set(lineage.votes(self._lineage, view, exclude=me).disagree)
-            target = max(lineage.parse(r.fingerprint)[0] for r in view.peers if r.peer_id in theirs)
+            target = max((r.applied_step or 0) for r in view.peers if r.peer_id in theirs)
             return target, [d for d in self._donors(view, target) if d in theirs]
         target = view.global_step
         if target <= self.applied_step and not self._disagrees(view):
@@ -702,10 +739,8 @@ class CollaborativeOptimizer:
         view = self._report(busy=False)  # the dropped samples must not count toward the step any more
         target, donors = self._sync_target(view)
         if target is None:  # under churn a step can fail this way dozens of times: INFO once per step
-            level = logging.DEBUG if self._held_noted == self.applied_step else logging.INFO
-            self._held_noted = self.applied_step
-            logger.log(level, f"{reason}: this peer already holds the collaboration's state of step "
-                              f"{self.applied_step}; its gradients are dropped, nothing to download")
+            self._noted.log(self.applied_step, "holds", f"{reason}: this peer already holds the collaboration's state of "
+                            f"step {self.applied_step}; its gradients are dropped, nothing to download")
             return False
         logger.info(f"out of sync ({reason}): downloading the state of step >= {target}")
         t0 = warned = time.monotonic()

@@ -18,16 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dedloc.records import CollaborationView
+from dedloc.records import parse_fingerprint as parse
 
 KEEP = 64
 """Steps of history a lineage keeps (forks older than this go unnoticed)."""
-
-
-def parse(fingerprint: str) -> tuple[int, str] | None:
-    step, sep, digest = fingerprint.partition(":")
-    if not sep or not digest or not step.isdigit():
-        return None
-    return int(step), digest
 
 
 def extend(lineage: dict[int, str], fingerprint: str) -> dict[int, str]:
