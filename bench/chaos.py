@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dedloc.testing.procs import children, cli_command, session_pids, sessions_alive
+from dedloc.testing.procs import children, cli_command, session_pids, sessions_alive, stale_sockets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -387,7 +387,8 @@ class Soak:
                 g = max(after) / after[0] - 1
                 if g >= growth:
                     growth, grew = g, f"{self.rss_names[pid]} pid {pid}: {after[0] / 1024:.0f} -> {max(after) / 1024:.0f} MiB"
-        sockets = sorted(set(glob.glob("/tmp/hivemind-*")) - self.sockets_before)
+        # socket files left by a daemon that died unclean (live ones belong to others: a test run alongside)
+        sockets = stale_sockets(set(glob.glob("/tmp/hivemind-*")) - self.sockets_before)
         return {"minutes": round((end - start) / 60, 2), "interrupted": self.interrupted,
                 "delay_updates": self.args.delay_updates, "seed": self.args.seed,
                 "trainers": len(self.trainers), "target": self.args.target, "steps": steps,

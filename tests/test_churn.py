@@ -90,7 +90,8 @@ def test_a_restarted_peer_is_not_handed_its_predecessors_group(tmp_path):
 
 def test_a_peer_suspended_during_matchmaking_does_not_take_the_step_alone():
     """Frozen (SIGSTOP of the whole peer) past the step's records' lifetime, a peer wakes up to a step
-    whose ready/closed records expired: it must not lead a group of one and rewrite the step."""
+    whose ready/closed records expired: it must not lead a group of one and rewrite the step, nor
+    store a closed record for a group that will never run."""
     avg = AveragingConfig(matchmaking_time=1, averaging_timeout=3, probe_interval=0)  # records live 9 s
     peer = Peer(PeerConfig(run_id=run_id()), avg)
     try:
@@ -104,6 +105,9 @@ def test_a_peer_suspended_during_matchmaking_does_not_take_the_step_alone():
             session_signal(peer, signal.SIGCONT)
         with pytest.raises(MatchmakingError, match="suspended"):
             future.result(60)
+        # and it closed nothing: a closed record of a group that never ran would hold the others'
+        # decisions on the step for a round's length (the delayed soak's 33 s frozen leader)
+        assert peer.round_deadline(0) is None and peer.closed_round(0) == {}
     finally:
         peer.close()
 
@@ -526,6 +530,22 @@ def test_a_round_of_clients_and_aggregators_alone_does_not_close_the_step(make_p
     assert late["peers"] == [trainer.peer_id]
 
 
+def catching_up_on_step_0(peer: Peer, state_timeout: float) -> tuple[CollaborativeOptimizer, cf.Future]:
+    """A delayed-updates optimizer whose round 0 failed in the background: at global step 1 with 8
+    samples accumulated for it, and a failed catch-up download to hand to ``_CatchUp``."""
+    model = make_model()
+    opt, sched = make_opt(model)
+    copt = CollaborativeOptimizer(opt, peer, OptimizerConfig(target_batch_size=10_000, delay_updates=True,
+                                                             state_timeout=state_timeout),
+                                  scheduler=sched, model=model)
+    copt.global_step = 1
+    model[0].weight.sum().backward()
+    copt.step(8)
+    failed: cf.Future = cf.Future()
+    failed.set_exception(StateError("no state at step >= 1"))
+    return copt, failed
+
+
 def test_a_missed_step_whose_only_holder_vanished_is_skipped_not_awaited():
     """Delayed updates: round s reached one member and failed for the rest; that member then died
     (kill -9). The others had switched from catching up to a blocking resync demanding step s+1,
@@ -533,9 +553,7 @@ def test_a_missed_step_whose_only_holder_vanished_is_skipped_not_awaited():
     the backbone's checkpoint (a 258 s stall in the soak). Now a catch-up retries while a holder is
     alive and skips the step, gradients kept, once none is."""
 
-    from dedloc.errors import StateError
     from dedloc.optim.optimizer import _CatchUp
-    from dedloc.records import ProgressRecord, Role
 
     rid = run_id()
     peer = Peer(PeerConfig(run_id=rid), AVG)
@@ -545,16 +563,7 @@ def test_a_missed_step_whose_only_holder_vanished_is_skipped_not_awaited():
         await node.store(node.key("progress"), node.peer_id.to_base58(), record.to_wire(), ttl=4.0)
 
     try:
-        model = make_model()
-        opt, sched = make_opt(model)
-        copt = CollaborativeOptimizer(opt, peer, OptimizerConfig(target_batch_size=10_000, delay_updates=True,
-                                                                 state_timeout=5),
-                                      scheduler=sched, model=model)
-        copt.global_step = 1  # round 0 ran in the background and failed for this peer
-        model[0].weight.sum().backward()
-        copt.step(8)
-        failed: cf.Future = cf.Future()
-        failed.set_exception(StateError("no state at step >= 1"))
+        copt, failed = catching_up_on_step_0(peer, state_timeout=5)
         with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs)), holder) as gone:
             deadline = time.monotonic() + 20
             while not any(r.peer_id == gone for r in peer.collaboration().peers):
@@ -613,16 +622,7 @@ def test_a_lost_step_is_skipped_only_once_no_round_may_finish_and_the_view_is_fr
         asyncio.get_running_loop().create_task(later())
 
     try:
-        model = make_model()
-        opt, sched = make_opt(model)
-        copt = CollaborativeOptimizer(opt, peer, OptimizerConfig(target_batch_size=10_000, delay_updates=True,
-                                                                 state_timeout=90),
-                                      scheduler=sched, model=model)
-        copt.global_step = 1  # round 0 ran in the background and failed for this peer
-        model[0].weight.sum().backward()
-        copt.step(8)
-        failed: cf.Future = cf.Future()
-        failed.set_exception(StateError("no state at step >= 1"))
+        copt, failed = catching_up_on_step_0(peer, state_timeout=90)
         with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs)), leader) as other:
             deadline = time.monotonic() + 20
             while peer.round_deadline(0) is None or not any(r.peer_id == other for r in peer.collaboration().peers):

@@ -160,7 +160,7 @@ def test_mlm_micro_batches_come_from_a_worker_and_resume_without_replay(corpus, 
         DataPosition(str(tmp_path / "pos.json"), key).load()
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)`")
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
 def test_albert_recipe_is_sahajberts_with_lamb():
     from pytorch_optimizer import Lamb
 

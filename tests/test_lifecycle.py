@@ -9,13 +9,14 @@ import time
 
 import pytest
 
-from dedloc.testing.procs import sessions_alive
+from dedloc.testing.procs import children, sessions_alive, stale_sockets
 from dedloc import JoinError, Peer, PeerConfig
 
 
 def hivemind_files() -> set[str]:
-    """The p2p daemons' socket files in /tmp (tests compare them before and after)."""
-    return {f for f in os.listdir("/tmp") if f.startswith("hivemind-")}
+    """The p2p daemons' socket files in /tmp (tests compare them before and after: of the new ones,
+    none may be stale; live ones belong to tests running alongside, under pytest-xdist)."""
+    return {os.path.join("/tmp", f) for f in os.listdir("/tmp") if f.startswith("hivemind-")}
 
 
 def test_identity_persists_across_restarts(tmp_path):
@@ -30,13 +31,13 @@ def test_identity_persists_across_restarts(tmp_path):
 
 def test_unreachable_initial_peer_is_a_clear_error():
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWLrqEJY5XQxXrfrsJsV9T57JFrx9DEkqjut99TdPL7ndm"
-    before = hivemind_files()
+    before, kids = hivemind_files(), set(children(os.getpid()))
     t0 = time.monotonic()
     with pytest.raises(JoinError, match="could not join.*127.0.0.1/tcp/9"):
         Peer(PeerConfig(run_id="x", initial_peers=(dead,), startup_timeout=15))
     assert time.monotonic() - t0 < 40
-    after = hivemind_files()
-    assert after - before == set(), f"stale socket files: {after - before}"
+    assert set(children(os.getpid())) - kids == set(), "the failed peer's background process is still running"
+    assert stale_sockets(hivemind_files() - before) == []
     with pytest.raises(JoinError, match="not a full multiaddr"):
         Peer(PeerConfig(run_id="x", initial_peers=("/ip4/127.0.0.1/tcp/9",)))
 
@@ -66,8 +67,7 @@ def test_interrupted_or_killed_training_process_leaves_nothing(sig):
     while sessions_alive([runtime_pid]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sessions_alive([runtime_pid]) == []
-    after = hivemind_files()
-    assert after - before == set(), f"stale socket files: {after - before}"
+    assert stale_sockets(hivemind_files() - before) == []
 
 
 def test_killed_runtime_leaves_no_socket_files():

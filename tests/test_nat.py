@@ -19,7 +19,7 @@ from dedloc.testing.nat import Nat, NatNetwork, available, start_run
 from dedloc.testing.peer_driver import vector
 
 ok, why = available()
-pytestmark = pytest.mark.skipif(not ok, reason=why)
+pytestmark = [pytest.mark.skipif(not ok, reason=why), pytest.mark.xdist_group("network")]
 NUMEL = 300_000
 AVERAGING = dict(matchmaking_time=3, averaging_timeout=60, probe_interval=0, planner="equal")
 NATS = [Nat(), Nat(), Nat(random_ports=True), Nat(random_ports=True)]

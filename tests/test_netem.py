@@ -14,7 +14,7 @@ from dedloc.testing.netem import Link, Network, available
 from dedloc.testing.peer_driver import DrivenPeer
 
 ok, why = available()
-pytestmark = pytest.mark.skipif(not ok, reason=why)
+pytestmark = [pytest.mark.skipif(not ok, reason=why), pytest.mark.xdist_group("network")]
 
 CAPS = [Link(100, 100), Link(100, 100), Link(16, 80), Link(16, 80)]
 NUMEL = 2_000_000

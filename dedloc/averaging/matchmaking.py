@@ -24,6 +24,9 @@ Protocol (docs/averaging.md has the reasoning):
    closes, and misses the step if another group took it (instead of taking it alone: a fork).
    If no one joined it, it does not take the step when it cannot read them, and after closing it
    reads them again and withdraws if another group outranks it (larger, or a smaller leader id).
+6b. A leader suspended while it led (past its ready record's life, or ``2 * matchmaking_time``
+   past its close, when its joiners have given up) closes nothing: no closed record, and joiners
+   still waiting are told to form another group.
 7. A peer misses a step that most training peers already took, by their progress records'
    fingerprints (``CollaborationView.took``), even with no closed record left: its training loop
    was frozen between reading the collaboration's step and asking for this round, longer than
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -133,6 +137,8 @@ class Matchmaker:
         """Per step, leaders this peer could not reach: never stepped down for again (stepping down
         and failing to reach them would loop until the deadline)."""
         self._noted = OncePerStep(logger)
+        self._stale_at: dict[int, float] = {}
+        """Per step, when this peer's matchmaking for it is stale (its ready record expired: suspended)."""
         """Per step, the matchmaking events already logged at INFO (repeats go to DEBUG)."""
         self._failed: set[int] = set()
         """Steps whose round failed at this peer and that it has not started matchmaking for again."""
@@ -157,6 +163,7 @@ class Matchmaker:
                 self._follow.pop(old, None)
                 self._unreachable.pop(old, None)
                 self._stepped_down.pop(old, None)
+                self._stale_at.pop(old, None)
                 self._failed.discard(old)
         return self._decided[step]
 
@@ -300,6 +307,7 @@ class Matchmaker:
         me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client, self.fetch, self.private,
                     self.data)
         started, ready_ttl = loop.time(), 3 * t + gather + self.config.averaging_timeout
+        self._stale_at[step] = started + ready_ttl
         # A late peer learns it at once instead of after the gather window: from a closed record, or,
         # once those expired (its training loop was frozen between reading the collaboration's step
         # and this call), from the others' progress records: it would otherwise take the step alone.
@@ -369,6 +377,18 @@ class Matchmaker:
             if set(ready) - unreachable <= set(state.members) and (not expected or len(state.members) >= expected):
                 break
             await asyncio.sleep(POLL)
+        overslept = loop.time() - close_deadline
+        if overslept > 2 * self.config.matchmaking_time or loop.time() > self._stale_at.get(step, math.inf):
+            # This process was suspended while it led (a stopped laptop): its joiners gave up at their
+            # deadline, at most 2 matchmaking_time after this close, and went on. A group of them would
+            # be run by nobody, yet its closed record would close the step for a round's length (in the
+            # delayed soak a leader frozen for 33 s did so, and every member waited on it to skip the
+            # step). Any joiner still waiting is told to form another group.
+            state.held = False
+            self._failed.add(step)
+            state.done.set()
+            raise MatchmakingError(f"step {step}: this peer was suspended while leading ({overslept:.0f} s past "
+                                   f"its close); its joiners have gone: the step is left to the others")
         alone = len(state.members) == 1
         if not looked and alone:
             # A follower whose leader's stream open hung until its own deadline (a leader killed
@@ -524,7 +544,7 @@ class Matchmaker:
         await state.done.wait()
         if state.redirect:
             return {"redirect": state.redirect}
-        return {"group": state.group.to_wire()} if state.group else {"missed": True}
+        return {"group": state.group.to_wire()} if state.group else {"missed": True, "held": state.held}
 
     # ---- follower --------------------------------------------------------------------------------
     async def _ask(self, step: int, leader: str, request: dict[str, Any], deadline: float) -> dict[str, Any] | None:

@@ -496,7 +496,7 @@ class CollaborativeOptimizer:
         others = [r for r in view.peers if r.peer_id != self.peer.peer_id]
         newest = max((a for r in others if (a := r.applied_step) is not None), default=None)
         why = "another peer skipped it" if followed else \
-            f"none of the {len(others)} other peers in view holds its update (newest applied step: {newest})"
+            f"none of the {len(others)} other peers in view holds its update; the newest holds step {newest}"
         logger.warning(f"step {step} was lost by every member ({why}): skipped by all, parameters unchanged; "
                        f"still accumulating for step {self.global_step}")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from typing import Any, Iterable
@@ -40,6 +41,25 @@ def sessions_alive(sids: Iterable[int]) -> list[str]:
             except OSError:
                 pass
     return alive
+
+
+def stale_sockets(paths: Iterable[str]) -> list[str]:
+    """Those of the Unix socket files ``paths`` that nothing listens on (a connect is refused): what
+    a p2p daemon killed before its clean shutdown leaves behind. Files that are gone do not count,
+    nor do live sockets (another test's peers, running at the same time, own those)."""
+    stale = []
+    for path in paths:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(5)
+        try:
+            probe.connect(path)
+        except FileNotFoundError:
+            continue
+        except OSError:  # refused: bound by nothing (or not a socket at all)
+            stale.append(path)
+        finally:
+            probe.close()
+    return sorted(stale)
 
 
 def children(pid: int) -> list[int]:
