@@ -2,6 +2,8 @@
 
     python bench/chaos.py --minutes 30 [--delay-updates] [--seed 0] [--trainers 5]
 
+(``DEDLOC_DEBUG=dedloc.averaging.matchmaking`` in the environment logs that layer at DEBUG in every peer.)
+
 Runs a backbone (checkpoints), an aggregator-only peer and ``--trainers`` trainers (trainer 0 in
 client mode) of bench/chaos_trainer.py on loopback, training a tiny MLP with target batch
 ``--target``. On a schedule drawn from ``--seed``:
@@ -16,7 +18,7 @@ Prints one JSON line: ``steps``, ``lost_steps`` (steps after which live peers' p
 differed, plus trainers that raised instead of recovering), ``skipped_steps`` (lost by every
 member and skipped by all), ``longest_stall_s``, ``max_param_diff``, ``replay_max_diff`` (a
 single-process replay of the logged samples, with the same optimizer, against every step's
-parameters), ``rss_growth`` (largest relative growth after warm-up, long-lived processes),
+parameters), ``rss_growth`` (largest relative growth after the run's and each process's warm-up, long-lived processes),
 ``orphans`` (processes and socket files left) and ``failures_injected`` by kind.
 """
 
@@ -382,7 +384,10 @@ class Soak:
         rounds = [e for e in events if e["e"] == "round" and not e["skipped"]]
         growth, grew = 0.0, None
         for pid, samples in self.rss.items():
-            after = [kb for t, kb in samples if t >= warm]
+            # each process's own warm-up too: one restarted late was sampled while it still loaded
+            # torch and its first state (a trainer restarted at minute 16: "183 -> 307 MiB")
+            settled = max(warm, samples[0][0] + (warm - start))
+            after = [kb for t, kb in samples if t >= settled]
             if len(after) >= 2 and samples[-1][0] - samples[0][0] >= 0.5 * (end - start):
                 g = max(after) / after[0] - 1
                 if g >= growth:

@@ -8,6 +8,9 @@ import time
 
 
 def configure(level: str = "INFO") -> None:
+    """Log at ``level`` (``DEDLOC_LOG_LEVEL`` overrides it); the loggers named in ``DEDLOC_DEBUG``
+    (comma-separated, e.g. ``dedloc.averaging.matchmaking``) log at DEBUG whatever the level: the
+    details of one layer in a long soak, without every layer's."""
     level = os.environ.get("DEDLOC_LOG_LEVEL", level).upper()
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     root = logging.getLogger("dedloc")
@@ -18,6 +21,8 @@ def configure(level: str = "INFO") -> None:
         root.addHandler(handler)
         root.propagate = False
     root.setLevel(level)
+    for name in filter(None, (n.strip() for n in os.environ.get("DEDLOC_DEBUG", "").split(","))):
+        logging.getLogger(name).setLevel(logging.DEBUG)
     logging.getLogger("hivemind").setLevel(logging.WARNING if level != "DEBUG" else logging.INFO)
 
 

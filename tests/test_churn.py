@@ -399,6 +399,46 @@ def test_a_step_most_peers_already_took_is_missed_even_after_its_closed_records_
             p.close()
 
 
+def test_a_lead_of_one_that_saw_no_ready_peer_still_misses_a_step_another_group_closed():
+    """The delayed soak's lost steps 95-98: a trainer led step 95 alone while three others took it
+    together; their ready records never reached it (it had woken from a freeze 12 s before), so the
+    checks for a lead that ready peers never joined did not run. Now a lead of one also runs them
+    when the progress records show another training peer at the step: here a bare node publishes
+    one, and stores the closed record of a group without this peer while it leads."""
+    from dedloc.records import ClosedRecord
+
+    rid = run_id()
+    avg = AveragingConfig(matchmaking_time=3, averaging_timeout=20, probe_interval=0)
+    peer = Peer(PeerConfig(run_id=rid), avg)
+
+    async def other_group(node, finished):  # a trainer at step 0 whose group closes it during the lead
+        me = node.peer_id.to_base58()
+        record = ProgressRecord(me, 0, 8, 1.0, Role.TRAINER, fingerprint="0:feedbeef", time=time.time())
+        await node.store(node.key("progress"), me, record.to_wire(), ttl=60.0)
+
+        async def close_while_it_leads():
+            while peer.peer_id not in await node.get(node.key("ready", 0)):
+                await asyncio.sleep(0.05)
+            # its gather (1 s) and lead (3 s) windows follow its ready record: store inside the lead,
+            # after the look that ends the gather (pacing with a second of margin on either side)
+            await asyncio.sleep(2.0)
+            await node.store(node.key("closed", 0), me, ClosedRecord(me, (me, "12D3KooWother"),
+                                                                     time.time() + 20).to_wire(), ttl=60.0)
+
+        asyncio.get_running_loop().create_task(close_while_it_leads())
+
+    try:
+        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs)), other_group) as other:
+            deadline = time.monotonic() + 20
+            while not any(r.peer_id == other for r in peer.collaboration().peers):
+                assert time.monotonic() < deadline, "the other trainer's record never showed"
+                time.sleep(0.1)
+            with pytest.raises(MissedRoundError, match=f"step 0: the round led by {other} closed without this peer"):
+                peer.average(torch.ones(4), step=0, weight=1.0, expected_peers=2, gather_time=1.0)
+    finally:
+        peer.close()
+
+
 def test_a_closed_record_outliving_its_failed_round_closes_nothing():
     """The sync soak's 66 s stall: a leader closed step 119, froze, and stored its closed record
     when it woke; its round failed for every member, but the record kept the step closed for its

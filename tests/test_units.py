@@ -484,3 +484,18 @@ def test_ready_and_closed_records_round_trip_and_refuse_malformed_ones():
     assert ClosedRecord.from_wire("l", ClosedRecord("l", None).to_wire()) == ClosedRecord("l", None)
     for bad in ("x", [1], {"failed": 1}, ["a"] * 5000):
         assert ClosedRecord.from_wire("l", bad) is None, bad
+
+
+def test_dedloc_debug_names_the_loggers_that_log_at_debug():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import logging; from dedloc.logs import configure; configure('INFO'); "
+            "logging.getLogger('dedloc.averaging.matchmaking').debug('one layer in detail'); "
+            "logging.getLogger('dedloc.optim.optimizer').debug('another layer quiet')")
+    env = {**os.environ, "DEDLOC_DEBUG": " dedloc.averaging.matchmaking,,"}
+    env.pop("DEDLOC_LOG_LEVEL", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "one layer in detail" in out.stderr and "another layer quiet" not in out.stderr

@@ -24,6 +24,8 @@ Protocol (docs/averaging.md has the reasoning):
    closes, and misses the step if another group took it (instead of taking it alone: a fork).
    If no one joined it, it does not take the step when it cannot read them, and after closing it
    reads them again and withdraws if another group outranks it (larger, or a smaller leader id).
+   A lead of one that saw no ready peer does the same when the progress records show another
+   training peer at the step (its ready record did not reach this peer in time).
 6b. A leader suspended while it led (past its ready record's life, or ``2 * matchmaking_time``
    past its close, when its joiners have given up) closes nothing: no closed record, and joiners
    still waiting are told to form another group.
@@ -403,6 +405,12 @@ class Matchmaker:
                 raise MatchmakingError(f"step {step}: leading past the join deadline, and the step's ready records "
                                        f"could not be read ({type(e).__name__}); not taking the step alone") from None
         unjoined = bool(set(ready) - self._unreachable.get(step, set()) - set(state.members))
+        if alone and not unjoined and await self._others_at(step):
+            # No ready peer was seen, yet other training peers are at this step: their ready records
+            # did not reach this peer in time (it woke from a freeze; in the delayed soak one such
+            # peer took step 95 alone while 3 others took it together). Checked like a lead whose
+            # ready peers never joined.
+            unjoined = True
         if unjoined:
             # Ready peers never joined: they may have formed a group of their own before this peer's
             # ready record reached them (it woke from a freeze, or its state download just ended),
@@ -433,6 +441,12 @@ class Matchmaker:
                         f"aggregators only); peers that missed it will form another")
         logger.debug(f"step {step}: led a group of {len(members)}")
         return group
+
+    async def _others_at(self, step: int) -> bool:
+        """Whether the progress records show another training peer accumulating for ``step`` (not
+        resyncing); False if they cannot be read."""
+        view = await self._view()
+        return view is not None and any(r.peer_id != self.me for r in view.trainers_at(step))
 
     async def _close_unless_taken(self, step: int, state: _Lead, alone: bool) -> None:
         """Before closing a lead that some ready peers never joined: if another group closed the step
