@@ -926,3 +926,46 @@ def test_a_lead_that_ready_peers_never_joined_does_not_take_a_step_another_group
     finally:
         late.close()
         peer.close()
+
+
+def test_a_leader_plans_within_its_budget_while_a_dht_neighbour_is_frozen():
+    """The sync soak's 80 s stall at step 83: a leader plans between closing its group and answering
+    its joiners. Its planner re-read the capability records first, and the read reached a peer frozen
+    whole (SIGSTOP of its runtime and daemon): hivemind waits 3 s for it, longer than the joiners'
+    deadline left (about matchmaking_time). They failed the step; the leader ran its round with
+    members that had left it. Now the re-read gets ``matchmaking_time / 4``, then goes on in the
+    background while this round plans with the snapshot in hand."""
+
+    from dedloc.net.node import Node
+    from dedloc.net.peer_connections import PeerConnections
+    from dedloc.planning.planner import Planner
+    from dedloc.records import Member
+
+    rid = run_id()
+    frozen = Peer(PeerConfig(run_id=rid), AVG)  # the planner's only DHT neighbour
+    cfg = AveragingConfig(matchmaking_time=1, planner="lp", probe_interval=0).validate()
+
+    async def main() -> float:
+        node = await Node.create(PeerConfig(run_id=rid, initial_peers=tuple(frozen.maddrs)))
+        planner = Planner(node, cfg, PeerConnections(node.streams, None, rid, True))
+        members = (Member(node.peer_id.to_base58(), 8.0, 1.0), Member(frozen.peer_id, 8.0, 1.0))
+        try:
+            await planner.shares(members, 1000)  # a first read, with the neighbour running
+            planner._snapshot_time = -1e9  # the snapshot is old: the next round re-reads
+            session_signal(frozen, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                assert await planner.shares(members, 1000) == (1.0, 1.0)  # nothing measured: equal shares
+                return time.monotonic() - t0
+            finally:
+                session_signal(frozen, signal.SIGCONT)
+        finally:
+            await planner.close()
+            await node.shutdown()
+
+    try:
+        elapsed = asyncio.run(main())
+        # 0.25 s and the LP here; 3.0 s without the budget (hivemind's wait for the frozen neighbour)
+        assert elapsed < 2.0, f"planning waited {elapsed:.1f} s on a frozen DHT neighbour"
+    finally:
+        frozen.close()

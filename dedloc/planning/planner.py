@@ -178,6 +178,18 @@ class Planner:
         snap[self.me] = self.record()
         self.snapshot, self._snapshot_time = snap, time.monotonic()
 
+    async def _refresh_within(self, budget: float) -> None:
+        """Re-read the records, waiting at most ``budget`` seconds: the leader plans between closing
+        its group and answering its joiners, who give up at their deadline. A read past the budget
+        goes on in the background, and this round plans with the snapshot it has (in the sync soak a
+        read that reached a frozen peer held a leader's answers past its joiners' deadline: they
+        failed the step, and the leader ran its round with members that had left it)."""
+        self._refresh_soon()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._refreshing), budget)
+        except asyncio.TimeoutError:
+            logger.debug(f"capability records not read within {budget:.2f} s: planning with the snapshot in hand")
+
     def _refresh_soon(self) -> None:
         """Re-read the records in the background (one read at a time), off the round's critical path."""
         if self._refreshing is not None and not self._refreshing.done():
@@ -245,7 +257,7 @@ class Planner:
                 age = time.monotonic() - self._snapshot_time
                 if age > self.config.replan_interval or (
                         age > MIN_REFRESH and any(self._unknown(m.peer_id) for m in members)):
-                    await self.refresh()
+                    await self._refresh_within(self.config.matchmaking_time / 4)
                 elif age > MIN_REFRESH:
                     self._refresh_soon()  # this round plans with the snapshot it has, the next with a fresher one
             peers, pairs = self.plan_peers(members)
