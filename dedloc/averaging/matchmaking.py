@@ -139,9 +139,9 @@ class Matchmaker:
         """Per step, leaders this peer could not reach: never stepped down for again (stepping down
         and failing to reach them would loop until the deadline)."""
         self._noted = OncePerStep(logger)
+        """Per step, the matchmaking events already logged at INFO (repeats go to DEBUG)."""
         self._stale_at: dict[int, float] = {}
         """Per step, when this peer's matchmaking for it is stale (its ready record expired: suspended)."""
-        """Per step, the matchmaking events already logged at INFO (repeats go to DEBUG)."""
         self._failed: set[int] = set()
         """Steps whose round failed at this peer and that it has not started matchmaking for again."""
         self._refusals = PerPeerWarnings(logger)
@@ -244,7 +244,7 @@ class Matchmaker:
         else:
             records = await self._closed(step)
         over = time.time() - CLOSED_GRACE
-        if view is None and not with_view and any(r.until is not None and r.until < over for r in records):
+        if not with_view and any(r.until is not None and r.until < over for r in records):
             view = await self._view()
         holders = set() if view is None else {r.peer_id for r in view.peers if (r.applied_step or 0) > step}
         out = {}

@@ -53,7 +53,7 @@ def stale_sockets(paths: Iterable[str]) -> list[str]:
         probe.settimeout(5)
         try:
             probe.connect(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, TimeoutError):  # gone, or listening but slow to accept: not stale
             continue
         except OSError:  # refused: bound by nothing (or not a socket at all)
             stale.append(path)
