@@ -325,7 +325,7 @@ class ClosedRecord:
     members: tuple[str, ...] | None
     until: float | None = None
     """The round's deadline (wall clock, the leader's): once past, the record closes the step only
-    if a member holds the step's update (averaging/matchmaking.py, rule 8). None: no deadline."""
+    if a member holds the step's update (averaging/matchmaking.py, rule 11). None: no deadline."""
 
     def to_wire(self) -> Any:
         if self.members is None:

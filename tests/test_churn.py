@@ -12,7 +12,7 @@ import torch
 
 from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
 from dedloc.errors import ForkError, MatchmakingError, MissedRoundError, StateError
-from dedloc.net.identity import create_identity
+from dedloc.net.identity import create_identity, load_identity, peer_id_of
 from dedloc.optim import CollaborativeOptimizer
 from dedloc.optim.optimizer import StepOutcome
 from dedloc.peer import Peer
@@ -59,12 +59,16 @@ def test_a_peer_restarted_after_leaving_is_visible_at_once(tmp_path):
         first.close()
 
 
+def ordered_identities(tmp_path, n: int = 2) -> list:
+    """Identity files for ``n`` peers, sorted by peer id (the first leads: it has the smallest)."""
+    keys = [tmp_path / f"peer{i}.key" for i in range(n)]
+    return [k for _, k in sorted((create_identity(k), k) for k in keys)]
+
+
 def test_a_restarted_peer_is_not_handed_its_predecessors_group(tmp_path):
     """The leader answers a member's new process with 'missed', not the group its predecessor joined
     (that group holds the old process's weight: the round then failed on a weight mismatch)."""
-    keys = [tmp_path / "a.key", tmp_path / "b.key"]
-    ids = [create_identity(k) for k in keys]
-    lead_key, member_key = (keys if ids[0] < ids[1] else keys[::-1])  # the leader has the smaller id
+    lead_key, member_key = ordered_identities(tmp_path)  # the leader has the smaller id
     rid = run_id()
     leader = Peer(PeerConfig(run_id=rid, identity_path=str(lead_key)), AVG)
     cfg = PeerConfig(run_id=rid, initial_peers=tuple(leader.maddrs), identity_path=str(member_key))
@@ -752,7 +756,8 @@ def test_a_leader_whose_round_failed_reopens_the_step(tmp_path):
     from dedloc.averaging.matchmaking import Matchmaker
 
     rid = run_id()
-    peer = Peer(PeerConfig(run_id=rid), AVG)
+    identity, own = ordered_identities(tmp_path)  # the late peer must ask the bare leader first
+    peer = Peer(PeerConfig(run_id=rid, identity_path=str(own)), AVG)
     closed, reopen, reopened = threading.Event(), threading.Event(), threading.Event()
 
     tasks = []
@@ -775,11 +780,7 @@ def test_a_leader_whose_round_failed_reopens_the_step(tmp_path):
         return leader in peer.closed_round(0)
 
     try:
-        identity = tmp_path / "leader.key"
-        for _ in range(64):  # the late peer must ask the bare leader first: its id must be the smaller
-            identity.unlink(missing_ok=True)
-            if (leader_id := create_identity(identity)) < peer.peer_id:
-                break
+        leader_id = peer_id_of(load_identity(identity).public_key())
         config = PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs), identity_path=str(identity))
         with bare_node(config, leader):
             assert closed.wait(60), "the leader did not close step 0"
@@ -886,15 +887,10 @@ def test_a_lead_that_ready_peers_never_joined_does_not_take_a_step_another_group
     from dedloc.records import ClosedRecord, Member, ReadyRecord
 
     rid = run_id()
-    identity, closer = tmp_path / "late.key", tmp_path / "closer.key"
-    peer = Peer(PeerConfig(run_id=rid), AVG)
+    identity, closer, own = ordered_identities(tmp_path, 3)  # the late peer has the smallest id: it leads
+    peer = Peer(PeerConfig(run_id=rid, identity_path=str(own)), AVG)
     try:
         other = peer.peer_id
-        smallest = min(other, create_identity(closer))
-        for _ in range(64):  # the late peer must have the smallest id: it leads
-            identity.unlink(missing_ok=True)
-            if create_identity(identity) < smallest:
-                break
         late = Peer(PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs), identity_path=str(identity)), AVG)
     except BaseException:
         peer.close()
@@ -969,3 +965,108 @@ def test_a_leader_plans_within_its_budget_while_a_dht_neighbour_is_frozen():
         assert elapsed < 2.0, f"planning waited {elapsed:.1f} s on a frozen DHT neighbour"
     finally:
         frozen.close()
+
+
+def test_a_leader_with_longer_settings_answers_its_joiner_in_time_and_takes_the_shorter_timeout(tmp_path):
+    """The CI soak's 74 s stall at step 40: the aggregator, at its defaults (matchmaking 3 s, rounds
+    60 s), led trainers at 2 s and 20 s. It waited for an expected peer until its own close, after the
+    trainers had given up on their joins; they came back with other gradients to a group that held
+    their old weights, the round failed, and its 60 s deadline held the step for a minute. Now a join
+    says how long the joiner waits and which timeout it wants: the leader answers in time, and the
+    round's deadline is the smallest asked for."""
+    lead_key, join_key = ordered_identities(tmp_path)
+    rid = run_id()
+    leader = Peer(PeerConfig(run_id=rid, identity_path=str(lead_key)),
+                  AveragingConfig(matchmaking_time=3, averaging_timeout=60, probe_interval=0))
+    joiner = Peer(PeerConfig(run_id=rid, initial_peers=tuple(leader.maddrs), identity_path=str(join_key)),
+                  AveragingConfig(matchmaking_time=1, averaging_timeout=10, probe_interval=0))
+    try:
+        # a third expected peer never comes: the leader would wait for it until 6 s in (gather 3 s, then
+        # close 3 s later); the joiner gives up 3 s in (gather 1 s, then twice 1 s for the answer)
+        with cf.ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(p.average, torch.full((64,), float(w)), step=0, weight=float(w), expected_peers=3)
+                       for p, w in ((leader, 1), (joiner, 3))]
+            stats = [f.result(120) for f in futures]  # before the fix: MatchmakingError at the joiner
+        assert [s["group_size"] for s in stats] == [2, 2]
+        # the round's deadline is the joiner's 10 s, not the leader's 60 s (plus CLOSED_GRACE, 5 s)
+        assert leader.round_deadline(0) - time.time() < 15
+    finally:
+        joiner.close()
+        leader.close()
+
+
+def test_a_member_never_runs_again_a_round_that_failed_at_it(tmp_path):
+    """Rule 12. A member whose round failed retries the step while its leader still runs that round:
+    the leader answers with the same group, which holds the member's old weight. Running it again
+    brought the member's new gradients into the round under the old weight (refused by every
+    aggregator: the soak's 'weight 8.0 differs from the agreed 24.0'). Now the retry raises
+    MatchmakingError and the step stays that group's."""
+    from dedloc.averaging.matchmaking import Matchmaker
+    from dedloc.net.node import Node
+
+    lead_key, join_key = ordered_identities(tmp_path)
+    rid = run_id()
+    leader = Peer(PeerConfig(run_id=rid, identity_path=str(lead_key)), AVG)
+
+    async def main() -> None:
+        node = await Node.create(PeerConfig(run_id=rid, initial_peers=tuple(leader.maddrs),
+                                            identity_path=str(join_key)))
+        try:
+            mm = Matchmaker(node, AVG, 1.0)
+            await mm.start()
+            group = await mm.form_group(0, 8.0, expected_peers=2)
+            assert group.index(leader.peer_id) == 0 and len(group.members) == 2
+            await mm.round_failed(0, group)
+            with pytest.raises(MatchmakingError, match="already failed at this peer"):
+                await mm.form_group(0, 24.0, expected_peers=2)
+        finally:
+            await node.shutdown()
+
+    try:
+        future, _ = leader.average_async(torch.ones(64), step=0, weight=1.0, expected_peers=2)
+        asyncio.run(main())  # the leader's round waits for the member's contribution meanwhile
+        future.exception(60)  # whatever the leader's round did without the member, it ended
+    finally:
+        leader.close()
+
+
+def test_a_lead_of_one_whose_first_look_at_the_progress_records_timed_out_still_misses_a_taken_step():
+    """The 2-minute soak's fork at step 6: a trainer's loop was stopped for 30 s; it woke as step 6's
+    closed records expired, its first look at the progress records timed out (a slow DHT: dead and
+    frozen nodes), it saw no ready peer, and it took step 6 alone while the others were at step 12.
+    Now a lead of one that saw no ready peer looks at the progress records again: here they show
+    the step taken (it misses it), or cannot be read (it does not take the step alone)."""
+    from dedloc.averaging.matchmaking import Matchmaker
+    from dedloc.net.node import Node
+    from dedloc.records import CollaborationView
+
+    avg = AveragingConfig(matchmaking_time=0.5, averaging_timeout=20, probe_interval=0)
+    ahead = CollaborationView.build([ProgressRecord(p, 12, 0, 1.0, Role.TRAINER, time=time.time(),
+                                                    fingerprint=f"12:{'ab' * 8}") for p in ("12D3KooWa", "12D3KooWb")])
+
+    async def main() -> dict[int, str]:
+        node = await Node.create(PeerConfig(run_id=run_id()))
+        looks = []
+
+        async def progress(step: int) -> CollaborationView:
+            looks.append(step)
+            if len(looks) == 1 or step == 1:
+                await asyncio.sleep(3600)  # a read that times out (bounded by matchmaking_time)
+            return ahead
+
+        outcomes = {}
+        try:
+            for step in (6, 1):
+                mm = Matchmaker(node, avg, 1.0, progress=lambda s=step: progress(s))
+                try:
+                    group = await mm.form_group(step, 8.0, expected_peers=1)
+                    outcomes[step] = f"took it alone: {[m.peer_id for m in group.members]}"
+                except (MissedRoundError, MatchmakingError) as e:
+                    outcomes[step] = str(e)
+        finally:
+            await node.shutdown()
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    assert "step 6: the collaboration already took it" in outcomes[6], outcomes  # before: took it alone
+    assert "the progress records could not be read; not taking the step alone" in outcomes[1], outcomes

@@ -4,8 +4,9 @@ Runs inside the runtime process. ``average()`` is the one entry point; incoming 
 dispatched to the round they name. Guarantees (beyond those of the rounds):
 - the caller's tensor is overwritten only when the whole round succeeded;
 - every call returns or raises within matchmaking (about 2x matchmaking_time) plus the round's
-  timeout, which the leader sets for every member (its averaging_timeout, or the timeout its
-  caller passed), so no member gives up on a round another still serves; a round that fails
+  timeout, which the leader sets for every member (the smallest that a member asked for: its
+  averaging_timeout, or the timeout its caller passed), so no member gives up on a round another
+  still serves; a round that fails
   at the peer that led it takes up to one more matchmaking_time, to withdraw its closed record
   (matchmaking rule 5);
 - a stream naming an unknown round, or with a malformed header, is answered with an ERROR
@@ -106,7 +107,7 @@ class Averager:
         averager starts its listener, which admits rounds' members, and the caller closes it.
         ``policy`` sets the shares of rounds this peer leads (None: the members' declared shares);
         ``on_round(stats)`` is told what each round (or subround) sent and received, for bandwidth
-        estimates. ``progress()``: the live progress records, for matchmaking's rules 7 and 8."""
+        estimates. ``progress()``: the live progress records, for matchmaking's rules 10 and 11."""
         self.node, self.config = node, config.validate()
         if config.aggregator_only and not node.reachable:
             raise AveragingError("an aggregator-only peer must accept connections from every peer (it cannot be in "

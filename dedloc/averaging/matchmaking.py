@@ -1,13 +1,16 @@
 """Matchmaking: peers ready for step ``s`` agree on one member list within a deadline.
 
-Protocol (docs/averaging.md has the reasoning):
+Protocol (docs/averaging.md has the reasoning and the soak findings; the rule numbers are its):
 1. A ready peer stores ``{run}.ready.{s}[peer_id] = {w, s, c, f, p}`` in the DHT (weight, share,
    client, fetches the result, private: behind NAT).
 2. It waits until the expected number of peers are ready, or ``matchmaking_time`` passes.
 3. The leader is the smallest peer id among the ready, reachable (neither client nor NAT'd) peers. Others send
    it a ``join`` request over a stream; the leader answers all of them with the same Group when
    it closes the round, and publishes ``{run}.closed.{s}[leader]`` with the member list. The
-   shares in that Group come from the leader's planner, so every member follows one plan.
+   shares in that Group come from the leader's planner, so every member follows one plan. A join
+   says how long the joiner still waits for the answer (``by``) and the round timeout it wants
+   (``t``): the leader closes in time to answer its earliest joiner, and the round's deadline is
+   the smallest timeout asked for (peers may run with different settings).
 4. A leader that later sees a smaller reachable peer steps down and redirects its joiners.
    A peer that asks a closed leader, or finds a closed group without itself, gets
    :class:`MissedRoundError` and joins the next step. A group in which no member can hand its
@@ -15,27 +18,27 @@ Protocol (docs/averaging.md has the reasoning):
    leader publishes no ``closed`` record and answers late joiners ``{"missed", "held": false}``,
    and they pass it over as if unreachable and form another group.
 5. A peer whose round for ``s`` failed reopens the step: until it starts matchmaking for ``s`` again,
-   it answers joiners ``{"missed", "held": false, "failed": true}`` (they pass it over, as above, instead
-   of being told "missed" or handed the dead group), and a failed leader overwrites its ``closed``
-   record. Otherwise a round that failed for every member kept the step closed for everyone until
-   its records expired: each retry was "missed" again, and nobody took the step (60-70 s stalls in
-   the soak on a loaded machine).
-6. A leader that some ready peers never joined reads the ``closed`` records once more before it
+   it answers joiners ``{"missed", "held": false, "failed": true}`` (they pass it over, as above), and
+   a failed leader overwrites its ``closed`` record.
+6. A peer suspended while it matched (past its ready record's life; a leader also ``2 *
+   matchmaking_time`` past its close, when its joiners have given up) takes no group, and a leader
+   so suspended closes nothing: no closed record, and joiners still waiting form another group.
+7. Joins are answered only for steps near the one this peer last matched for.
+8. A leader that some ready peers never joined reads the ``closed`` records once more before it
    closes, and misses the step if another group took it (instead of taking it alone: a fork).
-   If no one joined it, it does not take the step when it cannot read them, and after closing it
-   reads them again and withdraws if another group outranks it (larger, or a smaller leader id).
-   A lead of one that saw no ready peer does the same when the progress records show another
-   training peer at the step (its ready record did not reach this peer in time).
-6b. A leader suspended while it led (past its ready record's life, or ``2 * matchmaking_time``
-   past its close, when its joiners have given up) closes nothing: no closed record, and joiners
-   still waiting are told to form another group.
-7. A peer misses a step that most training peers already took, by their progress records'
-   fingerprints (``CollaborationView.took``), even with no closed record left: its training loop
-   was frozen between reading the collaboration's step and asking for this round, longer than
-   those records live.
-8. A closed record carries its round's deadline. Once that is past (by ``CLOSED_GRACE``) and no
+9. A lead of one that ready peers never joined does not take the step when it cannot read them,
+   and after closing reads them again and withdraws if another group outranks it (larger, or a
+   smaller leader id). A lead of one that saw no ready peer does the same when the progress
+   records show another training peer at the step, misses a step they show taken (rule 10), and
+   does not take the step when it cannot read them.
+10. A peer misses a step that most training peers already took, by their progress records'
+   fingerprints (``CollaborationView.took``), even with no closed record left.
+11. A closed record carries its round's deadline. Once that is past (by ``CLOSED_GRACE``) and no
    member publishes the step's update applied, the round failed: the record closes nothing, even
-   if its leader, frozen or dead, never withdrew it (it held the step for its whole TTL).
+   if its leader, frozen or dead, never withdrew it.
+12. A peer runs each round at most once. A retry that its leader answers with the group whose round
+   already failed here raises MatchmakingError: running it again would bring another weight into it.
+   The step stays that group's until its round ends (rule 11) or fails at its leader (rule 5).
 
 Guarantees: a peer is in at most one group per step (it sends at most one join whose outcome
 is unknown, and a leader's group is final once sent); every call returns or raises within
@@ -55,7 +58,7 @@ from typing import Any, Awaitable, Callable, NoReturn
 from hivemind.p2p import PeerID
 
 from dedloc.averaging.bounds import FOLLOWER_TOLERANCE, WeightBounds
-from dedloc.averaging.group import Group, Member, split_into_subgroups
+from dedloc.averaging.group import MAX_TIMEOUT, Group, Member, split_into_subgroups
 from dedloc.averaging.wire import VERSION
 from dedloc.config import AveragingConfig
 from dedloc.errors import MatchmakingError, MissedRoundError, ProtocolError
@@ -74,8 +77,13 @@ JOIN_AHEAD = 2
 leader publishes its ready record, and so reaches the step, before anyone can ask it). Requests
 outside the window are refused, so no stream of requests can crowd the current step's state out."""
 CLOSED_GRACE = 5.0
-"""Seconds past a closed round's deadline before rule 8 judges it (clock skew, members that have
+"""Seconds past a closed round's deadline before rule 11 judges it (clock skew, members that have
 applied its update but not yet published it)."""
+ANSWER_MARGIN = 0.5
+"""A leader closes ``ANSWER_MARGIN * matchmaking_time`` before its earliest joiner gives up: its work
+after closing (rule 8's look, planning) is bounded by half its matchmaking_time."""
+TOOK = "the collaboration already took it (most training peers hold the parameters after it)"
+"""Why a peer misses a step by rule 10."""
 MAX_STEP_DOWNS = 3
 """Times a leader steps down for the same smaller peer in one step (a transient redirect resolves
 in one or two; a peer that follows a leader this one cannot reach never does)."""
@@ -92,6 +100,8 @@ class _Lead:
     process, and never gets its predecessor's group (it would send another weight)."""
     held: bool = True
     """Whether a member of the closed group can hand its state on (see ``_holds_state``)."""
+    timeouts: dict[str, float] = field(default_factory=dict)
+    """Per joiner, the round timeout it asked for (``t``): the round gets the smallest (rule 3)."""
 
 
 def _holds_state(members: tuple[Member, ...]) -> bool:
@@ -106,6 +116,13 @@ SharePolicy = Callable[[tuple[Member, ...], int], Awaitable[tuple[float, ...]]]
 """(members, numel) -> the shares of one (sub)group, decided by the leader's planner."""
 
 
+def _seconds(value: Any, low: float, high: float) -> float | None:
+    """A duration a peer sent, clamped into ``[low, high]``; None if absent or not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return min(max(float(value), low), high)
+
+
 def _parse_entry(peer_id: str, value: Any) -> Member | None:
     """The member a ready record or a join request describes (None if malformed: records.ReadyRecord)."""
     rec = ReadyRecord.from_wire(peer_id, value)
@@ -117,7 +134,7 @@ class Matchmaker:
 
     def __init__(self, node: Node, config: AveragingConfig, share: float, policy: SharePolicy | None = None,
                  progress: Callable[[], Awaitable[CollaborationView]] | None = None):
-        """``progress()``: the live progress records, for rules 7 and 8 (None: neither applies)."""
+        """``progress()``: the live progress records, for rules 10 and 11 (None: neither applies)."""
         self.node, self.config, self.share, self.policy = node, config, share, policy
         self.progress = progress
         self.fetch = not config.aggregator_only
@@ -126,9 +143,9 @@ class Matchmaker:
         """Tells this process from an earlier one under the same peer id (a restart)."""
         self.client = node.config.client_mode
         self.private = not node.reachable and not self.client
+        """Found behind NAT: never leads; aggregates only where a planner saw it reach every member directly."""
         self.data = ""
         """This peer's direct data endpoint, announced in its ready record and joins (set by the averager)."""
-        """Found behind NAT: never leads; aggregates only where a planner saw it reach every member directly."""
         self.proto = f"dedloc.{node.config.run_id}.join"
         self._lead: dict[int, _Lead] = {}
         self._follow: dict[int, str] = {}
@@ -144,6 +161,11 @@ class Matchmaker:
         """Per step, when this peer's matchmaking for it is stale (its ready record expired: suspended)."""
         self._failed: set[int] = set()
         """Steps whose round failed at this peer and that it has not started matchmaking for again."""
+        self._dead: dict[int, set[bytes]] = {}
+        """Per step, the rounds that failed at this peer: it never runs one again (rule 12)."""
+        self._waiting: dict[int, dict[str, float]] = {}
+        """Per step, the joiners waiting for this peer's answer, each with the time (event loop) by
+        which this peer must close to answer it in time (rule 3)."""
         self._refusals = PerPeerWarnings(logger)
         self._bounds: dict[int, WeightBounds] = {}
         """Step -> the weights this peer's training loop finds plausible for each member (when given)."""
@@ -167,6 +189,8 @@ class Matchmaker:
                 self._stepped_down.pop(old, None)
                 self._stale_at.pop(old, None)
                 self._failed.discard(old)
+                self._dead.pop(old, None)
+                self._waiting.pop(old, None)
         return self._decided[step]
 
     def _reopen(self, step: int) -> None:
@@ -182,6 +206,7 @@ class Matchmaker:
         """The round of ``group`` failed at this peer: reopen ``step`` for the others (protocol rule 5)."""
         self._decision(step)
         self._failed.add(step)
+        self._dead.setdefault(step, set()).add(group.round_id)
         led = self._lead.get(step)
         if led is None or led.group is None or led.group.round_id != group.round_id:
             return
@@ -201,6 +226,10 @@ class Matchmaker:
     def _closed_ttl(self) -> float:
         """How long a ``closed`` record lives (a withdrawal stored later outlives the record it replaces)."""
         return 3 * self.config.matchmaking_time + self.config.averaging_timeout
+
+    def _answer_by(self, step: int) -> float:
+        """When this peer must close ``step``'s lead to answer every joiner waiting in time (rule 3)."""
+        return min(self._waiting.get(step, {}).values(), default=math.inf)
 
     def _note(self, step: int, event: str, message: str) -> None:
         """Log ``message`` at INFO the first time ``event`` happens in ``step`` (at DEBUG after)."""
@@ -235,9 +264,9 @@ class Matchmaker:
             return None
 
     async def _standing(self, step: int, with_view: bool = False) -> tuple[dict[str, list[str]], CollaborationView | None]:
-        """The groups that close ``step`` (leader -> members; rule 8 drops those whose round is over
+        """The groups that close ``step`` (leader -> members; rule 11 drops those whose round is over
         with no member holding the step's update), and the progress records if they were read: with
-        ``with_view``, or when a record's round is over (rule 8 needs them; most reads skip them)."""
+        ``with_view``, or when a record's round is over (rule 11 needs them; most reads skip them)."""
         view = None
         if with_view:
             records, view = await asyncio.gather(self._closed(step), self._view())
@@ -273,13 +302,13 @@ class Matchmaker:
         return (await self._standing(step))[0]
 
     async def _why_missed(self, step: int, took: bool = False) -> str | None:
-        """Why this peer cannot take ``step`` any more (rule 4; rule 7 too with ``took``), None if it can."""
+        """Why this peer cannot take ``step`` any more (rule 4; rule 10 too with ``took``), None if it can."""
         closed, view = await self._standing(step, with_view=took)
         leader = next((leader for leader, members in closed.items() if self.me not in members), None)
         if leader is not None:
             return f"the round led by {leader} closed without this peer"
         if took and view is not None and view.took(step, exclude=self.me):
-            return "the collaboration already took it (most training peers hold the parameters after it)"
+            return TOOK
         return None
 
     def _missed(self, step: int, why: str) -> NoReturn:
@@ -294,7 +323,8 @@ class Matchmaker:
 
         Waits up to ``gather_time`` (default: matchmaking_time) for ``expected_peers`` to be ready.
         ``numel`` (the vector's size) lets a leading peer's planner size the plan; ``timeout`` (default:
-        averaging_timeout) is the round deadline a leading peer sets for every member. With ``bounds``,
+        averaging_timeout) is the round deadline this peer asks for: the group's is the smallest its
+        members asked for (rule 3). With ``bounds``,
         a leading peer refuses a join whose weight is above the joiner's bound, and a following peer
         refuses a group with a weight above twice its own bound for that member (averaging/bounds.py).
         """
@@ -320,7 +350,8 @@ class Matchmaker:
             self._missed(step, missed)
         while True:
             ready = await self._ready(step, me)
-            if (expected_peers and len(ready) >= expected_peers) or loop.time() >= gather_deadline:
+            if (expected_peers and len(ready) >= expected_peers) or loop.time() >= min(gather_deadline,
+                                                                                       self._answer_by(step)):
                 break
             await asyncio.sleep(POLL)
         missed = await self._why_missed(step)
@@ -352,9 +383,14 @@ class Matchmaker:
         self._decision(step).set()
         ready: dict[str, Member] = {self.me: me}
         looked = False
-        while loop.time() < close_deadline:
+        floor = loop.time() + POLL  # joiners that are already waiting join before an early close
+
+        def close_at() -> float:  # rule 3: in time for the earliest joiner waiting
+            return min(close_deadline, max(self._answer_by(step), floor))
+
+        while loop.time() < close_at():
             try:  # a slow DHT (a dead or frozen node) must not hold the joiners past their deadline
-                ready = await asyncio.wait_for(self._ready(step, me), max(0.05, close_deadline - loop.time()))
+                ready = await asyncio.wait_for(self._ready(step, me), max(0.05, close_at() - loop.time()))
                 looked = True
             except asyncio.TimeoutError:
                 break
@@ -405,12 +441,8 @@ class Matchmaker:
                 raise MatchmakingError(f"step {step}: leading past the join deadline, and the step's ready records "
                                        f"could not be read ({type(e).__name__}); not taking the step alone") from None
         unjoined = bool(set(ready) - self._unreachable.get(step, set()) - set(state.members))
-        if alone and not unjoined and await self._others_at(step):
-            # No ready peer was seen, yet other training peers are at this step: their ready records
-            # did not reach this peer in time (it woke from a freeze; in the delayed soak one such
-            # peer took step 95 alone while 3 others took it together). Checked like a lead whose
-            # ready peers never joined.
-            unjoined = True
+        if alone and not unjoined and self.progress is not None:
+            unjoined = await self._lone_lead_check(step, state)
         if unjoined:
             # Ready peers never joined: they may have formed a group of their own before this peer's
             # ready record reached them (it woke from a freeze, or its state download just ended),
@@ -424,6 +456,7 @@ class Matchmaker:
         else:  # no planner checked a NAT'd member's paths: it aggregates nothing
             members = tuple(replace(m, share=0.0) if m.private else m for m in members)
         direct = self.config.transport != "libp2p"
+        timeout = min([timeout, *(state.timeouts[m.peer_id] for m in members if m.peer_id in state.timeouts)])
         group = Group(os.urandom(16), step, members, subgroups, self.config.strategy, self.config.compression,
                       timeout, os.urandom(KEY_BYTES) if direct else b"", self.config.encryption, self.config.verify)
         until = time.time() + timeout  # taken now: this process may be frozen before it stores the record
@@ -442,11 +475,24 @@ class Matchmaker:
         logger.debug(f"step {step}: led a group of {len(members)}")
         return group
 
-    async def _others_at(self, step: int) -> bool:
-        """Whether the progress records show another training peer accumulating for ``step`` (not
-        resyncing); False if they cannot be read."""
+    async def _lone_lead_check(self, step: int, state: _Lead) -> bool:
+        """Rule 9 for a lead of one that saw no ready peer, by the progress records: raises if they
+        cannot be read (MatchmakingError) or show the step taken (MissedRoundError, rule 10), else
+        returns whether they show another training peer accumulating for ``step`` (not resyncing):
+        its ready record did not reach this peer in time, so the lead is checked like one whose
+        ready peers never joined (in the delayed soak a peer woken from a freeze took step 95 alone
+        while 3 others took it together)."""
         view = await self._view()
-        return view is not None and any(r.peer_id != self.me for r in view.trainers_at(step))
+        if view is None or view.took(step, exclude=self.me):
+            # In the 2-minute soak a trainer whose loop had been stopped for 30 s woke as step 6's closed
+            # records expired; its first look at the progress records timed out (a slow DHT: dead and
+            # frozen nodes), and it took step 6 alone while the others were at step 12.
+            state.done.set()
+            if view is None:
+                raise MatchmakingError(f"step {step}: no ready peer seen, and the progress records could not be "
+                                       f"read; not taking the step alone")
+            self._missed(step, TOOK)
+        return any(r.peer_id != self.me for r in view.trainers_at(step))
 
     async def _close_unless_taken(self, step: int, state: _Lead, alone: bool) -> None:
         """Before closing a lead that some ready peers never joined: if another group closed the step
@@ -513,6 +559,7 @@ class Matchmaker:
 
     async def _on_join(self, remote: PeerID, request: Any) -> dict[str, Any]:
         peer = remote.to_base58()
+        received = asyncio.get_running_loop().time()
         try:
             if not isinstance(request, dict) or request.get("v") != VERSION:
                 theirs = request.get("v") if isinstance(request, dict) else None
@@ -521,6 +568,8 @@ class Matchmaker:
             member = _parse_entry(peer, request)
             gather = min(max(float(request.get("g", 0.0)), 0.0), 600.0)
             incarnation = str(request.get("i", ""))[:32]
+            wants = _seconds(request.get("t"), 1.0, MAX_TIMEOUT)
+            answer_within = _seconds(request.get("by"), 0.0, 600.0)
             if member is None or step < 0:
                 raise ProtocolError("malformed join request")
             if not self._newest - KEEP_STEPS <= step <= self._newest + JOIN_AHEAD:
@@ -528,6 +577,16 @@ class Matchmaker:
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
             self._refusals.warn(peer, f"refused join request from {peer}: {e}")
             return {"error": str(e)}
+        waiting = self._waiting.setdefault(step, {})
+        if answer_within is not None:  # the leader's work after closing is bounded by matchmaking_time / 2
+            waiting[peer] = received + answer_within - ANSWER_MARGIN * self.config.matchmaking_time
+        try:
+            return await self._answer_join(step, peer, member, gather, incarnation, wants)
+        finally:
+            waiting.pop(peer, None)
+
+    async def _answer_join(self, step: int, peer: str, member: Member, gather: float, incarnation: str,
+                           wants: float | None) -> dict[str, Any]:
         try:
             await asyncio.wait_for(self._decision(step).wait(), 2 * self.config.matchmaking_time + gather)
         except asyncio.TimeoutError:
@@ -555,6 +614,8 @@ class Matchmaker:
             return {"missed": True, "held": state.held}
         state.members[peer] = member
         state.incarnations[peer] = incarnation
+        if wants is not None:
+            state.timeouts[peer] = wants
         await state.done.wait()
         if state.redirect:
             return {"redirect": state.redirect}
@@ -574,8 +635,8 @@ class Matchmaker:
             self._note(step, f"unreachable:{leader}",
                        f"leader {leader} unreachable ({type(e).__name__}: {str(e)[:200]}); trying the next")
             return None
-        try:
-            await rpc.write_message(writer, request)
+        try:  # ``by``: how long this peer still waits for the answer (rule 3)
+            await rpc.write_message(writer, {**request, "by": round(max(0.0, deadline - loop.time()), 3)})
             response = await asyncio.wait_for(rpc.read_message(reader), max(0.1, deadline - loop.time()))
         except (ConnectionError, asyncio.IncompleteReadError):
             raise
@@ -592,7 +653,8 @@ class Matchmaker:
                           gather: float, numel: int, timeout: float) -> Group:
         loop = asyncio.get_running_loop()
         self._decision(step).set()
-        request = {"v": VERSION, "step": step, **ReadyRecord(me).to_wire(), "g": gather, "i": self.incarnation}
+        request = {"v": VERSION, "step": step, **ReadyRecord(me).to_wire(), "g": gather, "i": self.incarnation,
+                   "t": timeout}
         tried: set[str] = set()
         leader = candidates[0]
         broken = 0
@@ -616,6 +678,11 @@ class Matchmaker:
                 group = Group.from_wire(response["group"])
                 if group.step != step or group.index(self.me) is None:
                     raise MatchmakingError(f"step {step}: leader {leader} sent a group without this peer")
+                if group.round_id in self._dead.get(step, ()):
+                    # Rule 12: our round in that group failed here, and the leader still runs it; running it
+                    # again would send another weight into it. The step is that group's until it ends.
+                    raise MatchmakingError(f"step {step}: leader {leader} answered with the group whose round "
+                                           f"already failed at this peer; the step is held until that round ends")
                 bounds = self._bounds.get(step)
                 for m in group.members if bounds is not None else ():
                     if (excess := bounds.excess(m.peer_id, m.weight, FOLLOWER_TOLERANCE)) is not None:

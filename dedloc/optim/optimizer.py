@@ -357,8 +357,10 @@ class CollaborativeOptimizer:
         round had not started when this peer's failed; this wait is bounded by a round's length,
         ``2 * matchmaking_time + averaging_timeout + FRESH_GRACE``, and by ``state_timeout``), no
         group that closed the step may still finish its round (its leader's deadline, published in
-        its closed record, plus ``CLOSED_GRACE``; bounded by ``state_timeout``), and the round's
-        stragglers have had ``2 * matchmaking_time + FRESH_GRACE`` to publish it."""
+        its closed record, plus ``CLOSED_GRACE``; bounded by ``state_timeout``), the round's
+        stragglers have had ``2 * matchmaking_time + FRESH_GRACE`` to publish it, and the view brings
+        a record from another peer published since the catch-up started (not a stale local copy;
+        bounded by ``state_timeout``). ``_why_skip_waits`` checks these."""
         catchup, self._catchup = self._catchup, None
         while True:
             downloaded = False
@@ -378,19 +380,9 @@ class CollaborativeOptimizer:
                     self._resync(view, f"catching up failed: {e}")
                     return False
                 # (forks refused at their header are left out of the view now: no longer donors, nor "held")
-                held = any((r.applied_step or 0) >= catchup.min_step for r in view.peers if r.role.serves)
-                # a peer holds the step (asking again can succeed), may yet take it, or may not have
-                # published it yet; once none does, the step is lost for every peer alive
-                waited = time.monotonic() - catchup.started
-                avg = self.peer.averaging
-                # a peer still accumulating for the lost step has had a round's length to take it; one
-                # that has not by then is frozen, or waits on this peer (its own catch-up): in the soak a
-                # peer held back while catching up kept this wait going for 2 minutes
-                window = min(self.config.state_timeout, 2 * avg.matchmaking_time + avg.averaging_timeout + FRESH_GRACE)
-                if held or (self._may_still_take(view, lost) and waited < window) or \
-                        waited < 2 * avg.matchmaking_time + FRESH_GRACE or \
-                        (waited < self.config.state_timeout and not self._heard_from_others(view, catchup.heard)) or \
-                        self._round_may_finish(lost, waited):
+                why = self._why_skip_waits(view, catchup)
+                if why is not None:
+                    logger.debug(f"step {lost}: lost so far, not skipped yet: {why}")
                     if wait:
                         time.sleep(0.5)  # a member whose round succeeded may not have published it yet
                     catchup = _CatchUp(catchup.min_step, self.peer.download_state_async(
@@ -420,6 +412,27 @@ class CollaborativeOptimizer:
                     ("" if kept else f"; the collaboration had moved on, so the gradients for step "
                                      f"{global_step} were dropped"))
         return kept
+
+    def _why_skip_waits(self, view: CollaborationView, catchup: _CatchUp) -> str | None:
+        """Why the step that ``catchup`` replaces may not be skipped yet (None: it is lost for every
+        peer alive). ``_land_catchup`` states the conditions and their bounds."""
+        lost, waited = catchup.min_step - 1, time.monotonic() - catchup.started
+        avg = self.peer.averaging
+        if any((r.applied_step or 0) >= catchup.min_step for r in view.peers if r.role.serves):
+            return "a peer holds its update: asking again can succeed"
+        # a peer still accumulating for the lost step has had a round's length to take it; one that has
+        # not by then is frozen, or waits on this peer (its own catch-up): in the soak a peer held back
+        # while catching up kept this wait going for 2 minutes
+        window = min(self.config.state_timeout, 2 * avg.matchmaking_time + avg.averaging_timeout + FRESH_GRACE)
+        if waited < window and self._may_still_take(view, lost):
+            return "another training peer is still accumulating for it"
+        if waited < 2 * avg.matchmaking_time + FRESH_GRACE:
+            return "a member whose round succeeded may not have published it yet"
+        if waited < self.config.state_timeout and not self._heard_from_others(view, catchup.heard):
+            return "no record from another peer since the catch-up started"
+        if self._round_may_finish(lost, waited):
+            return "a round of it may still finish"
+        return None
 
     def _skip_published(self, view: CollaborationView, step: int) -> bool:
         """A peer published ``step`` with exactly this peer's parameters: it skipped the lost step."""
