@@ -38,8 +38,9 @@ class Group:
     compression: str = "none"
     """Both chosen by the leader, so members never disagree."""
     timeout: float | None = None
-    """The round's deadline in seconds, the leader's ``averaging_timeout``: every member runs the
-    round by it, so none gives up on a round that another still serves (None: each member's own)."""
+    """The round's deadline in seconds, set by the leader to the smallest timeout among its own and
+    those its joiners asked for (matchmaking rule 3): every member runs the round by it, so none
+    gives up on a round that another still serves (None: each member's own)."""
     key: bytes = b""
     """The round's secret for direct TCP connections (net/tcp.py), drawn by the leader and sent only
     over the authenticated join streams, never published (empty: libp2p streams only)."""

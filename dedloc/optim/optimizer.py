@@ -453,9 +453,10 @@ class CollaborativeOptimizer:
 
     def _round_may_finish(self, step: int, waited: float) -> bool:
         """A group closed ``step`` and its round may still finish: its deadline (plus a grace) is
-        ahead. The leader sets that deadline, so it can exceed this peer's own round length (in the
-        delayed soak, the aggregator-only peer led with its 60 s default while the trainers skipped
-        the step after their own 20 s, and the step was both skipped and taken). Bounded by
+        ahead. Its leader set that deadline: the smallest timeout its members asked for (matchmaking
+        rule 3), which can exceed this peer's own round length when this peer is not a member (before
+        rule 3, in the delayed soak, the aggregator-only peer led with its 60 s default while the
+        trainers skipped the step after their own 20 s, and the step was both skipped and taken). Bounded by
         ``state_timeout`` from the catch-up's start; a DHT that cannot be read counts as "may"."""
         if waited >= self.config.state_timeout:
             return False
