@@ -18,7 +18,8 @@ Prints one JSON line: ``steps``, ``lost_steps`` (steps after which live peers' p
 differed, plus trainers that raised instead of recovering), ``skipped_steps`` (lost by every
 member and skipped by all), ``longest_stall_s``, ``max_param_diff``, ``replay_max_diff`` (a
 single-process replay of the logged samples, with the same optimizer, against every step's
-parameters), ``rss_growth`` (largest relative growth after the run's and each process's warm-up, long-lived processes),
+parameters), ``rss_growth`` (largest relative growth of a long-lived process's RSS level after the run's
+and its own warm-up; ``rss_peak_growth``: of its highest sample; every sample goes to ``rss.jsonl``),
 ``orphans`` (processes and socket files left) and ``failures_injected`` by kind.
 """
 
@@ -31,6 +32,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,6 +47,10 @@ from dedloc.testing.procs import children, cli_command, session_pids, sessions_a
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import chaos_trainer as model_code  # noqa: E402  (the trainers' model, data and optimizer, for the replay)
+
+
+LEVEL_WINDOW = 180.0
+"""Seconds of RSS samples whose median is a process's level (``rss_growth``)."""
 
 
 def free_port() -> int:
@@ -62,6 +68,31 @@ def rss_kb(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+def rss_growth(series: dict[int, list[tuple[float, int]]], names: dict[int, str], start: float, end: float,
+               warm: float) -> tuple[float, str | None, float, str | None]:
+    """Over the long-lived processes (sampled for at least half the run), after the run's warm-up and
+    each process's own (one restarted late was sampled while it still loaded torch and its first
+    state: "183 -> 307 MiB"): the largest growth of the RSS *level*, the median of the last
+    ``LEVEL_WINDOW`` of samples over the median of the first (a leak: it stays), and the largest
+    *peak*, the highest sample over the first level (a state download's buffers: they come and go).
+    Each with the process it names."""
+    growth, grew, peak, peaked = 0.0, None, 0.0, None
+    for pid, samples in series.items():
+        settled = max(warm, samples[0][0] + (warm - start))
+        after = [(t, kb) for t, kb in samples if t >= settled]
+        if len(after) < 2 or samples[-1][0] - samples[0][0] < 0.5 * (end - start):
+            continue
+        window = min(LEVEL_WINDOW, (after[-1][0] - after[0][0]) / 3)
+        first = statistics.median(kb for t, kb in after if t <= after[0][0] + window)
+        last = statistics.median(kb for t, kb in after if t >= after[-1][0] - window)
+        if last / first - 1 >= growth:
+            growth, grew = last / first - 1, f"{names[pid]} pid {pid}: {first / 1024:.0f} -> {last / 1024:.0f} MiB"
+        top = max(kb for _, kb in after)
+        if top / first - 1 >= peak:
+            peak, peaked = top / first - 1, f"{names[pid]} pid {pid}: {first / 1024:.0f} -> {top / 1024:.0f} MiB"
+    return growth, grew, peak, peaked
 
 
 @dataclass
@@ -98,6 +129,8 @@ class Soak:
         self.sessions: set[int] = set()
         self.rss: dict[int, list[tuple[float, int]]] = {}
         self.rss_names: dict[int, str] = {}
+        self.rss_log = open(os.path.join(workdir, "rss.jsonl"), "a")
+        """Every RSS sample: ``{t, pid, proc, kb}`` (``proc``: the peer, and which of its processes)."""
         self.trainers: list[Trainer] = []
         self.backbone: Proc | None = None
         self.aggregator: Proc | None = None
@@ -267,8 +300,12 @@ class Soak:
             for pid in pids:
                 kb = rss_kb(pid)
                 if kb:
+                    kind = "" if pid == p.popen.pid else " runtime" if pid == rt else " daemon"
                     self.rss.setdefault(pid, []).append((time.time(), kb))
-                    self.rss_names[pid] = p.name
+                    self.rss_names[pid] = p.name + kind
+                    self.rss_log.write(json.dumps({"t": round(time.time() - self.t0, 1), "pid": pid,
+                                                   "proc": p.name + kind, "kb": kb}) + "\n")
+        self.rss_log.flush()
 
     def run(self) -> dict:
         args = self.args
@@ -340,6 +377,7 @@ class Soak:
 
     # ---- the checks -------------------------------------------------------------------------------------
     def analyse(self, start: float, end: float, warm: float) -> dict:
+        self.rss_log.close()
         events = []
         for t in self.trainers:
             if not os.path.exists(t.events):
@@ -382,16 +420,7 @@ class Soak:
                    and "KeyboardInterrupt" not in e["error"]]
         replay = self.replay(events, peer_of, canonical, steps)
         rounds = [e for e in events if e["e"] == "round" and not e["skipped"]]
-        growth, grew = 0.0, None
-        for pid, samples in self.rss.items():
-            # each process's own warm-up too: one restarted late was sampled while it still loaded
-            # torch and its first state (a trainer restarted at minute 16: "183 -> 307 MiB")
-            settled = max(warm, samples[0][0] + (warm - start))
-            after = [kb for t, kb in samples if t >= settled]
-            if len(after) >= 2 and samples[-1][0] - samples[0][0] >= 0.5 * (end - start):
-                g = max(after) / after[0] - 1
-                if g >= growth:
-                    growth, grew = g, f"{self.rss_names[pid]} pid {pid}: {after[0] / 1024:.0f} -> {max(after) / 1024:.0f} MiB"
+        growth, grew, peak, peaked = rss_growth(self.rss, self.rss_names, start, end, warm)
         # socket files left by a daemon that died unclean (live ones belong to others: a test run alongside)
         sockets = stale_sockets(set(glob.glob("/tmp/hivemind-*")) - self.sockets_before)
         return {"minutes": round((end - start) / 60, 2), "interrupted": self.interrupted,
@@ -408,7 +437,8 @@ class Soak:
                 "max_param_diff": max_diff, **replay,
                 "batch_min": min((e["batch"] for e in rounds), default=0),
                 "batch_max": max((e["batch"] for e in rounds), default=0),
-                "rss_growth": round(growth, 3), "rss_growth_of": grew, "orphans": {"processes": sessions_alive(self.sessions),
+                "rss_growth": round(growth, 3), "rss_growth_of": grew,
+                "rss_peak_growth": round(peak, 3), "rss_peak_of": peaked, "orphans": {"processes": sessions_alive(self.sessions),
                                                              "sockets": sockets},
                 "failures_injected": dict(sorted(self.injected.items())), "workdir": self.dir, "started_at": start}
 

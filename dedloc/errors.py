@@ -40,6 +40,12 @@ class MissedRoundError(MatchmakingError):
     """The group for this step was already closed when this peer asked to join."""
 
 
+class LeftToTrainersError(MatchmakingError):
+    """This peer led a group that could hand no state on (clients and aggregator-only peers) while
+    a trainer that can was at the step: the step is left to that trainer's group, which this peer
+    may still join (matchmaking rule 4)."""
+
+
 class AveragingError(DedlocError):
     """An averaging round could not complete; the local tensor was left untouched."""
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
-from dedloc.errors import ForkError, MatchmakingError, MissedRoundError, StateError
+from dedloc.errors import ForkError, LeftToTrainersError, MatchmakingError, MissedRoundError, StateError
 from dedloc.net.identity import create_identity, load_identity, peer_id_of
 from dedloc.optim import CollaborativeOptimizer
 from dedloc.optim.optimizer import StepOutcome
@@ -574,6 +574,31 @@ def test_a_round_of_clients_and_aggregators_alone_does_not_close_the_step(make_p
     assert late["peers"] == [trainer.peer_id]
 
 
+def test_a_round_of_clients_and_aggregators_is_left_to_a_trainer_at_the_step(make_peers):
+    """The delayed soak's lost step 314: the trainers, catching up, were at step 314 but not yet
+    ready when a client and the aggregator took it (a group that holds no state); the trainers took
+    it 5 s later with other samples, and the client forked. Now such a group does not close while
+    the progress records show a trainer at the step: the client and the aggregator are told so, and
+    the step is taken once, by one group with the trainer in it."""
+    trainer, client, aggregator = make_peers(3, clients=(1,), averaging=AVG)
+    trainer.report(ProgressRecord(trainer.peer_id, 0, 8, 1.0, Role.TRAINER, time=time.time(), fingerprint="0:" + "ab" * 8))
+    deadline = time.monotonic() + 20
+    while not any(r.peer_id == trainer.peer_id for r in aggregator.collaboration().peers):
+        assert time.monotonic() < deadline, "the trainer's progress record never showed"
+        time.sleep(0.1)
+    with cf.ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(client.average, torch.ones(4), step=0, weight=8.0, expected_peers=2),
+                pool.submit(aggregator.average, torch.zeros(4), step=0, weight=0.0, expected_peers=2)]
+        with pytest.raises(MatchmakingError, match="closed with no member that can hand its state on"):
+            runs[0].result(60)  # before: averaged by the client and the aggregator alone
+        with pytest.raises(LeftToTrainersError, match=f"step 0: left to the trainers at it \\({trainer.peer_id}\\)"):
+            runs[1].result(60)
+        runs = [pool.submit(p.average, torch.full((4,), float(i)), step=0, weight=w, expected_peers=3)
+                for i, (p, w) in enumerate([(trainer, 8.0), (client, 8.0), (aggregator, 0.0)])]
+        stats = [r.result(60) for r in runs]
+    assert all(sorted(s["peers"]) == sorted([trainer.peer_id, client.peer_id, aggregator.peer_id]) for s in stats), stats
+
+
 def catching_up_on_step_0(peer: Peer, state_timeout: float) -> tuple[CollaborativeOptimizer, cf.Future]:
     """A delayed-updates optimizer whose round 0 failed in the background: at global step 1 with 8
     samples accumulated for it, and a failed catch-up download to hand to ``_CatchUp``."""
@@ -1070,3 +1095,44 @@ def test_a_lead_of_one_whose_first_look_at_the_progress_records_timed_out_still_
     outcomes = asyncio.run(main())
     assert "step 6: the collaboration already took it" in outcomes[6], outcomes  # before: took it alone
     assert "the progress records could not be read; not taking the step alone" in outcomes[1], outcomes
+
+
+def test_the_peers_that_pass_a_frozen_leader_over_regroup_in_a_fresh_window(tmp_path):
+    """The delayed soak's step 309: the smallest ready peer was frozen whole (SIGSTOP of its runtime
+    and daemon) after storing its ready record. Its followers' stream opens hung until their join
+    deadline; the next one then led with no time left and closed alone at once (a group of one, 8
+    samples), and the others missed the step. Now they regroup in one fresh window: the three
+    take the step together."""
+    avg = AveragingConfig(matchmaking_time=2, averaging_timeout=20, probe_interval=0)
+    keys = ordered_identities(tmp_path, 4)
+    rid = run_id()
+    peers = [Peer(PeerConfig(run_id=rid, identity_path=str(keys[0])), avg)]
+    peers += [Peer(PeerConfig(run_id=rid, initial_peers=tuple(peers[0].maddrs), identity_path=str(k)), avg)
+              for k in keys[1:]]
+    frozen, rest = peers[0], peers[1:]
+    try:
+        with cf.ThreadPoolExecutor(4) as pool:
+            stuck = pool.submit(frozen.average, torch.ones(64), step=0, weight=8.0, expected_peers=4, gather_time=30)
+            deadline = time.monotonic() + 20
+            while not rest[0].pending_round(0):  # its ready record is in the DHT: it is the one to lead
+                assert time.monotonic() < deadline, "the frozen peer's ready record never showed"
+                time.sleep(0.05)
+            session_signal(frozen, signal.SIGSTOP)
+            try:
+                runs = [pool.submit(p.average, torch.full((64,), 2.0), step=0, weight=8.0, expected_peers=4)
+                        for p in rest]
+                outcomes = []
+                for r in runs:
+                    try:
+                        outcomes.append(sorted(r.result(60)["peers"]))
+                    except MatchmakingError as e:
+                        outcomes.append(str(e))
+            finally:
+                session_signal(frozen, signal.SIGCONT)
+            with pytest.raises(MatchmakingError):  # it was suspended while it led: it takes no group
+                stuck.result(60)
+        # before: [[rest[0]], "...already closed...", "...already closed..."]
+        assert outcomes == [sorted(p.peer_id for p in rest)] * 3, outcomes
+    finally:
+        for p in peers:
+            p.close()

@@ -11,12 +11,16 @@ Protocol (docs/averaging.md has the reasoning and the soak findings; the rule nu
    says how long the joiner still waits for the answer (``by``) and the round timeout it wants
    (``t``): the leader closes in time to answer its earliest joiner, and the round's deadline is
    the smallest timeout asked for (peers may run with different settings).
-4. A leader that later sees a smaller reachable peer steps down and redirects its joiners.
-   A peer that asks a closed leader, or finds a closed group without itself, gets
+4. A leader that later sees a smaller reachable peer steps down and redirects its joiners. A
+   follower that passes its leader over (unreachable, or its round failed or holds no state)
+   regroups with the others in one fresh window of ``2 * matchmaking_time``: the next smallest
+   reachable peer leads. A peer that asks a closed leader, or finds a closed group without itself, gets
    :class:`MissedRoundError` and joins the next step. A group in which no member can hand its
    state on (only clients and aggregator-only peers) closes the step for its members alone: its
    leader publishes no ``closed`` record and answers late joiners ``{"missed", "held": false}``,
-   and they pass it over as if unreachable and form another group.
+   and they pass it over as if unreachable and form another group. Such a group does not close at
+   all while the progress records show a trainer that can hand the state on at the step: its joiners
+   are answered the same, and its leader raises :class:`LeftToTrainersError` (the step is theirs).
 5. A peer whose round for ``s`` failed reopens the step: until it starts matchmaking for ``s`` again,
    it answers joiners ``{"missed", "held": false, "failed": true}`` (they pass it over, as above), and
    a failed leader overwrites its ``closed`` record.
@@ -42,7 +46,8 @@ Protocol (docs/averaging.md has the reasoning and the soak findings; the rule nu
 
 Guarantees: a peer is in at most one group per step (it sends at most one join whose outcome
 is unknown, and a leader's group is final once sent); every call returns or raises within
-about ``2 * matchmaking_time`` plus RPC deadlines.
+about ``2 * matchmaking_time`` plus RPC deadlines, and ``2 * matchmaking_time`` more when its
+leader is passed over (rule 4: the peers that gave up on it regroup in one fresh window).
 """
 
 from __future__ import annotations
@@ -61,12 +66,12 @@ from dedloc.averaging.bounds import FOLLOWER_TOLERANCE, WeightBounds
 from dedloc.averaging.group import MAX_TIMEOUT, Group, Member, split_into_subgroups
 from dedloc.averaging.wire import VERSION
 from dedloc.config import AveragingConfig
-from dedloc.errors import MatchmakingError, MissedRoundError, ProtocolError
+from dedloc.errors import LeftToTrainersError, MatchmakingError, MissedRoundError, ProtocolError
 from dedloc.logs import OncePerStep, PerPeerWarnings
 from dedloc.net import rpc
 from dedloc.net.node import Node
 from dedloc.net.tcp import KEY_BYTES
-from dedloc.records import ClosedRecord, CollaborationView, ReadyRecord
+from dedloc.records import ClosedRecord, CollaborationView, ReadyRecord, Role
 
 logger = logging.getLogger(__name__)
 POLL = 0.05
@@ -253,12 +258,13 @@ class Matchmaker:
                 sizes.append(rec.numel)
         return max(set(sizes), key=sizes.count) if sizes else 0
 
-    async def _view(self) -> CollaborationView | None:
-        """The live progress records (None: no ``progress``, or they cannot be read in time)."""
+    async def _view(self, bound: float | None = None) -> CollaborationView | None:
+        """The live progress records (None: no ``progress``, or they cannot be read within ``bound``,
+        by default ``matchmaking_time``)."""
         if self.progress is None:
             return None
         try:
-            return await asyncio.wait_for(self.progress(), self.config.matchmaking_time)
+            return await asyncio.wait_for(self.progress(), bound or self.config.matchmaking_time)
         except Exception as e:
             logger.debug(f"could not read the progress records: {e!r}")
             return None
@@ -449,6 +455,8 @@ class Matchmaker:
             # whose closed record was not yet stored when this peer looked at the start. Taking the
             # step anyway would fork the collaboration (a group of one under delayed updates did).
             await self._close_unless_taken(step, state, alone)
+        if not _holds_state(tuple(state.members.values())):
+            await self._leave_to_trainers(step, state, alone)
         members = tuple(sorted(state.members.values(), key=lambda m: m.peer_id))
         subgroups = split_into_subgroups(members, self.config.max_group_size)
         if self.policy is not None and self.config.strategy == "partitioned":
@@ -493,6 +501,34 @@ class Matchmaker:
                                        f"read; not taking the step alone")
             self._missed(step, TOOK)
         return any(r.peer_id != self.me for r in view.trainers_at(step))
+
+    async def _leave_to_trainers(self, step: int, state: _Lead, alone: bool) -> None:
+        """Rule 4 for a lead whose group could hand no state on (clients and aggregator-only peers):
+        when the progress records show a trainer that can (not a client, not resyncing, not joined)
+        at the step, it will form a group of its own; closing this one would take the step twice
+        with other parameters (in the delayed soak a client and the aggregator took step 314 while
+        the trainers, catching up, became ready 5 s later: the client forked). Then the joiners are
+        told to pass this peer over (``missed, held: false``) and LeftToTrainersError is raised. The
+        look is bounded like rule 8's (a quarter of ``matchmaking_time`` with joiners waiting); if
+        the records cannot be read, the group closes as before (rule 4's lineage vote settles it)."""
+        view = await self._view(self.config.matchmaking_time / (1 if alone else 4))
+        if view is None:
+            return
+        if view.took(step, exclude=self.me):
+            state.held = False
+            state.done.set()
+            self._missed(step, TOOK)
+        trainers = sorted(r.peer_id for r in view.trainers_at(step)
+                          if r.role == Role.TRAINER and r.peer_id not in state.members)
+        if not trainers:
+            return
+        state.held = False  # no group: joiners pass this peer over, as for a group that holds no state
+        state.done.set()
+        self._decision(step).set()
+        logger.info(f"step {step}: this lead's group (clients and aggregators only) could not hand the step on, "
+                    f"and {len(trainers)} trainer(s) that can are at it ({trainers[0]}): left to them")
+        raise LeftToTrainersError(f"step {step}: left to the trainers at it ({', '.join(trainers)}): a group of "
+                                  f"clients and aggregators only could not hand the state on")
 
     async def _close_unless_taken(self, step: int, state: _Lead, alone: bool) -> None:
         """Before closing a lead that some ready peers never joined: if another group closed the step
@@ -658,6 +694,7 @@ class Matchmaker:
         tried: set[str] = set()
         leader = candidates[0]
         broken = 0
+        regrouped = False
         for _ in range(8):
             self._follow[step] = leader
             tried.add(leader)
@@ -703,8 +740,15 @@ class Matchmaker:
                 raise MatchmakingError(f"step {step}: leader {leader} refused: {response.get('error')}")
             # this leader is passed over for the step (every peer that asks it is, alike): the next one leads
             self._unreachable.setdefault(step, set()).add(leader)
+            if not regrouped:
+                # Rule 4: the peers that waited on it give up together, at their deadline (a leader frozen
+                # whole: its stream open hangs until then); they regroup in one fresh window, once. Before,
+                # the next one led with no time left and closed alone at once (in the delayed soak, step
+                # 309 was taken by a group of one, 8 samples, while 4 others missed it).
+                regrouped = True
+                deadline = max(deadline, loop.time() + 2 * self.config.matchmaking_time)
             rest = [c for c in candidates if c not in tried and c != self.me]
-            if not rest or rest[0] > self.me:
+            if not rest or (self.node.reachable and rest[0] > self.me):  # (only a reachable peer leads)
                 if self.node.reachable:
                     # close while the others, who gave up on the same leader, still wait for an answer
                     t = self.config.matchmaking_time

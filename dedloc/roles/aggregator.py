@@ -8,7 +8,8 @@ gets BytePS-style help from cheap servers (docs/planning.md).
 It learns each round's vector size from the trainers' ready records, and announces itself
 with an AGGREGATOR progress record, so trainers count it among the peers they wait for.
 A failed or missed round is logged and skipped: it never holds up the trainers beyond their
-gather deadline.
+gather deadline. A round it led for clients alone and left to the trainers (matchmaking rule 4)
+is tried again, so it serves theirs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 import torch
 
 from dedloc.config import AveragingConfig, PeerConfig
-from dedloc.errors import ConfigError, DedlocError, MissedRoundError
+from dedloc.errors import ConfigError, DedlocError, LeftToTrainersError, MissedRoundError
 from dedloc.peer import Peer
 from dedloc.records import CollaborationView, ProgressRecord, Role
 
@@ -67,6 +68,9 @@ class Aggregator:
                 logger.debug(f"step {step}: aggregated a share of {share:.3f}")
             except MissedRoundError:
                 logger.debug(f"step {step}: the round closed before this aggregator joined")
+            except LeftToTrainersError as e:  # their round is still to come: serve it (bounded: a lead per try)
+                logger.debug(f"{e}; serving their round")
+                return True
             except DedlocError as e:
                 logger.warning(f"step {step}: could not aggregate: {e}")
             self.next_step = step + 1
