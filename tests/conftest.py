@@ -1,6 +1,8 @@
 import asyncio
 import concurrent.futures as cf
 import contextlib
+import fcntl
+import os
 import threading
 import time
 import uuid
@@ -41,6 +43,37 @@ def bare_node(config, setup):
         finally:
             finished.set()
             fut.result(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def _machine_locks(tmp_path_factory):
+    """Two lock files shared by this run's pytest-xdist workers (in pytest's own temporary root,
+    which it rotates)."""
+    root = tmp_path_factory.getbasetemp().parent
+    return root / "turnstile.lock", root / "machine.lock"
+
+
+@pytest.fixture(autouse=True)
+def _share_the_machine(request, _machine_locks):
+    """On pytest-xdist workers, a test marked ``alone`` (it loads both cores, or its outcome depends
+    on timing that a second test's load upsets) runs with no other test alongside; the others run
+    side by side. A readers-writer lock over two files: the turnstile makes a waiting ``alone``
+    test hold off new ones, so it is not starved. Without xdist it does nothing."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    turnstile_path, machine_path = _machine_locks
+    with open(turnstile_path, "a") as turnstile, open(machine_path, "a") as machine:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
 
 
 def run_id() -> str:

@@ -105,8 +105,11 @@ def test_collaboration_stops_and_resumes_from_a_backbone_checkpoint(tmp_path):
         for p in second:
             p.close()
         backbone.close()
-    for t in trainers2:
-        assert t.opt.resyncs == 1 and min(t.params) == step
-        assert torch.equal(t.params[step], trainers[0].params[step]), "resumed parameters differ from the saved"
+    for t in trainers2:  # each joins at the checkpoint's step, or the next if the other took that one first
+        assert t.opt.resyncs == 1 and min(t.params) in (step, step + 1), sorted(t.params)
         assert max(t.params) == step + 2
+    resumed = [t for t in trainers2 if min(t.params) == step]
+    assert resumed, "no trainer started from the checkpoint's step"
+    for t in resumed:
+        assert torch.equal(t.params[step], trainers[0].params[step]), "resumed parameters differ from the saved"
     assert torch.equal(trainers2[0].params[step + 2], trainers2[1].params[step + 2])

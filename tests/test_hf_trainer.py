@@ -22,6 +22,7 @@ def expected_lr(step: int, peak: float = 1e-2, warmup: int = 2, total: int = 4) 
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.alone  # two Trainer scripts and their runtimes: under a second test's load it ran past its rounds
 def test_two_trainer_scripts_train_one_model(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"doc {i} " + " ".join(f"w{(i * 13 + j * 7) % 120}"

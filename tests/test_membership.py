@@ -341,6 +341,7 @@ def test_an_invitation_file_that_cannot_be_read_fails_at_start_by_name(tmp_path)
             config.invite, owner_public_key(owner.public), owner.run_id).peer_id)
 
 
+@pytest.mark.alone  # a 1 s grace: under a second test's load the member's proof could come later
 def test_a_relay_drops_peers_that_show_no_invitation(tmp_path, caplog):
     """A relay of an invite-only run (relay_guard.py) keeps a member that proved itself (its DHT
     requests carry its invitation) and disconnects an uninvited peer once its grace is over; the

@@ -747,6 +747,11 @@ class Matchmaker:
                 # 309 was taken by a group of one, 8 samples, while 4 others missed it).
                 regrouped = True
                 deadline = max(deadline, loop.time() + 2 * self.config.matchmaking_time)
+                try:  # and by what they see now: a ready record slow to spread (the frozen node is a DHT node too)
+                    fresh = await asyncio.wait_for(self._ready(step, me), self.config.matchmaking_time / 2)
+                    candidates = sorted(set(candidates) | {p for p, m in fresh.items() if m.reachable})
+                except Exception as e:
+                    logger.debug(f"step {step}: could not read the ready records again: {e!r}")
             rest = [c for c in candidates if c not in tried and c != self.me]
             if not rest or (self.node.reachable and rest[0] > self.me):  # (only a reachable peer leads)
                 if self.node.reachable:
