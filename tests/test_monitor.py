@@ -142,7 +142,8 @@ class Collab:
         self.peers: list[Peer] = []
         try:
             avg = AveragingConfig(matchmaking_time=3, averaging_timeout=30, probe_interval=0, planner="equal")
-            configs = [PeerConfig(run_id=self.rid, initial_peers=tuple(self.bb.maddrs),
+            # (their progress records, published once, live for the module's tests: 10 min, not 30 s)
+            configs = [PeerConfig(run_id=self.rid, initial_peers=tuple(self.bb.maddrs), progress_ttl=600,
                                   metrics_port=self.metrics_port if i == 0 else -1) for i in range(3)]
             with cf.ThreadPoolExecutor(3) as pool:
                 self.peers = list(pool.map(lambda c: Peer(c, avg), configs))

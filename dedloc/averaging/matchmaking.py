@@ -89,6 +89,8 @@ ANSWER_MARGIN = 0.5
 after closing (rule 8's look, planning) is bounded by half its matchmaking_time."""
 TOOK = "the collaboration already took it (most training peers hold the parameters after it)"
 """Why a peer misses a step by rule 10."""
+REASK_S = 0.25
+"""How soon a follower asks again a peer that redirected it to a leader it passed over (rule 4)."""
 MAX_STEP_DOWNS = 3
 """Times a leader steps down for the same smaller peer in one step (a transient redirect resolves
 in one or two; a peer that follows a leader this one cannot reach never does)."""
@@ -695,8 +697,11 @@ class Matchmaker:
         leader = candidates[0]
         broken = 0
         regrouped = False
-        for _ in range(8):
+        hops = 0
+        while hops < 8:
+            hops += 1
             self._follow[step] = leader
+            self._decision(step).set()
             tried.add(leader)
             try:
                 response = await self._ask(step, leader, request, deadline)
@@ -726,6 +731,16 @@ class Matchmaker:
                         raise MatchmakingError(f"step {step}: leader {leader} admitted an implausible claim: {excess}")
                 return group
             elif "redirect" in response and isinstance(response["redirect"], str):
+                if response["redirect"] in self._unreachable.get(step, set()):
+                    # It still waits on the leader this peer passed over (the peers that waited on one
+                    # give up within moments of each other): ask it again once it leads or follows
+                    # another, until the deadline (not a hop).
+                    if loop.time() + REASK_S >= deadline:
+                        raise MatchmakingError(f"step {step}: {leader} still follows {response['redirect']}, "
+                                               f"which this peer passed over")
+                    hops -= 1
+                    await asyncio.sleep(REASK_S)
+                    continue
                 leader = response["redirect"]
                 continue
             elif response.get("missed") and response.get("held") is False:
@@ -746,6 +761,11 @@ class Matchmaker:
                 # the next one led with no time left and closed alone at once (in the delayed soak, step
                 # 309 was taken by a group of one, 8 samples, while 4 others missed it).
                 regrouped = True
+                # undecided while it looks: a joiner that gave up on the same leader waits for what this
+                # peer does next (it leads, or follows another), instead of being redirected to the one
+                # both passed over
+                self._follow.pop(step, None)
+                self._decided[step] = asyncio.Event()
                 deadline = max(deadline, loop.time() + 2 * self.config.matchmaking_time)
                 try:  # and by what they see now: a ready record slow to spread (the frozen node is a DHT node too)
                     fresh = await asyncio.wait_for(self._ready(step, me), self.config.matchmaking_time / 2)
