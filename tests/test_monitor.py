@@ -137,12 +137,13 @@ class Collab:
     def __init__(self, tmp_path):
         self.rid, self.ckpt = run_id(), tmp_path / "ckpt"
         self.metrics_port = _free_port_pair()  # and the next one, for the daemon's
-        self.bb = Backbone(PeerConfig(run_id=self.rid, host_maddrs=("/ip4/127.0.0.1/tcp/0",)),
+        self.bb = Backbone(PeerConfig(run_id=self.rid, host_maddrs=("/ip4/127.0.0.1/tcp/0",), progress_ttl=600),
                            BackboneConfig(checkpoint_dir=str(self.ckpt), dashboard_port=0, resume=False))
         self.peers: list[Peer] = []
         try:
             avg = AveragingConfig(matchmaking_time=3, averaging_timeout=30, probe_interval=0, planner="equal")
-            # (their progress records, published once, live for the module's tests: 10 min, not 30 s)
+            # (their progress records, and the backbone's, published once, live for the module's tests: 10
+            # min, not 30 s: on a pytest-xdist worker a test may wait its turn while another runs alone)
             configs = [PeerConfig(run_id=self.rid, initial_peers=tuple(self.bb.maddrs), progress_ttl=600,
                                   metrics_port=self.metrics_port if i == 0 else -1) for i in range(3)]
             with cf.ThreadPoolExecutor(3) as pool:
