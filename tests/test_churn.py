@@ -448,7 +448,7 @@ def test_a_closed_record_outliving_its_failed_round_closes_nothing():
     """The sync soak's 66 s stall: a leader closed step 119, froze, and stored its closed record
     when it woke; its round failed for every member, but the record kept the step closed for its
     whole TTL, and every retry was "missed". The record now carries the round's deadline: past it,
-    it closes the step only if a member holds the step's update."""
+    it closes the step only if a member that can hand it on (not a client) holds the step's update."""
     from dedloc.records import ClosedRecord
 
     rid = run_id()
@@ -458,7 +458,7 @@ def test_a_closed_record_outliving_its_failed_round_closes_nothing():
 
     async def frozen_leader(node, finished):  # rounds it led for steps 0 and 1, both over a minute ago
         me = node.peer_id.to_base58()
-        for step in (0, 1):
+        for step in (0, 1, 2):
             record = ClosedRecord(me, tuple(sorted((me, member.peer_id))), until=time.time() - 60)
             await node.store(node.key("closed", step), me, record.to_wire(), ttl=120)
         stored.set()
@@ -477,6 +477,12 @@ def test_a_closed_record_outliving_its_failed_round_closes_nothing():
             assert leader in late.closed_round(1)
             with pytest.raises(MissedRoundError, match=f"step 1: the round led by {leader} closed without this peer"):
                 late.average(torch.ones(4), step=1, weight=1.0, expected_peers=1)
+            # step 2's update is held by a client-mode member only: nobody can download it, so past the
+            # round the record closes nothing (in a CI soak a client held step 9's update, waiting for a
+            # trainer to reach step 10, and the step stayed closed for everyone else for 76 s)
+            member.report(ProgressRecord(member.peer_id, 3, 0, 1.0, Role.CLIENT, time=time.time(),
+                                         fingerprint="3:" + "ef" * 8))
+            assert late.closed_round(2) == {}
     finally:
         member.close()
         late.close()

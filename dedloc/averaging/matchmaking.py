@@ -38,8 +38,8 @@ Protocol (docs/averaging.md has the reasoning and the soak findings; the rule nu
 10. A peer misses a step that most training peers already took, by their progress records'
    fingerprints (``CollaborationView.took``), even with no closed record left.
 11. A closed record carries its round's deadline. Once that is past (by ``CLOSED_GRACE``) and no
-   member publishes the step's update applied, the round failed: the record closes nothing, even
-   if its leader, frozen or dead, never withdrew it.
+   member that can hand it on (not a client) publishes the step's update applied, the round failed:
+   the record closes nothing, even if its leader, frozen or dead, never withdrew it.
 12. A peer runs each round at most once. A retry that its leader answers with the group whose round
    already failed here raises MatchmakingError: running it again would bring another weight into it.
    The step stays that group's until its round ends (rule 11) or fails at its leader (rule 5).
@@ -283,7 +283,10 @@ class Matchmaker:
         over = time.time() - CLOSED_GRACE
         if not with_view and any(r.until is not None and r.until < over for r in records):
             view = await self._view()
-        holders = set() if view is None else {r.peer_id for r in view.peers if (r.applied_step or 0) > step}
+        # (a client's update counts for nothing: no one can download it, and a client waiting for a trainer
+        # to reach its step would hold the step closed for everyone else for as long as it runs)
+        holders = set() if view is None else {r.peer_id for r in view.peers
+                                              if (r.applied_step or 0) > step and r.role.serves}
         out = {}
         for r in records:
             if r.until is not None and r.until < over and view is not None and not holders & set(r.members):
