@@ -779,6 +779,61 @@ def test_a_peer_still_catching_up_does_not_take_the_next_step_alone():
         peer.close()
 
 
+def test_a_peer_that_missed_a_round_waits_for_its_members_before_the_next_step():
+    """Delayed updates: a trainer that missed step 1's round catches up on it while the others at
+    step 2 are still in that round (they publish step 2, applied 1, while it runs). In the delayed
+    soak such a peer took step 437 alone during the others' 13 s round of 436, and the step was both
+    taken and skipped (a fork). Now it keeps accumulating while that round may still run, and goes
+    on once a member publishes its update applied."""
+
+    from dedloc.optim.optimizer import _CatchUp
+    from dedloc.records import ClosedRecord, ProgressRecord, Role
+
+    rid = run_id()
+    peer = Peer(PeerConfig(run_id=rid), AVG)
+    applied, tasks = threading.Event(), []
+
+    async def member(node, finished):  # a member of step 1's round, at step 2 while that round runs
+        me = node.peer_id.to_base58()
+        await node.store(node.key("closed", 1), me, ClosedRecord(me, (me,), time.time() + 60).to_wire(), ttl=60.0)
+        await node.store(node.key("progress"), me,
+                         ProgressRecord(me, 2, 16, 1.0, Role.TRAINER, fingerprint="1:cafe").to_wire(), ttl=60.0)
+
+        async def later():
+            await asyncio.to_thread(applied.wait, 60)
+            record = ProgressRecord(me, 2, 16, 1.0, Role.TRAINER, fingerprint="2:cafe")
+            await node.store(node.key("progress"), me, record.to_wire(), ttl=60.0)
+        tasks.append(asyncio.ensure_future(later()))
+
+    try:
+        model = make_model()
+        opt, sched = make_opt(model)
+        copt = CollaborativeOptimizer(opt, peer, OptimizerConfig(target_batch_size=8, delay_updates=True),
+                                      scheduler=sched, model=model)
+        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs)), member) as other:
+            deadline = time.monotonic() + 20
+            while not any(r.peer_id == other for r in peer.collaboration().peers):
+                assert time.monotonic() < deadline, "the member's record never showed"
+                time.sleep(0.1)
+            copt.global_step, copt.applied_step = 2, 1  # it missed round 1: catching up on it
+            copt._catchup = _CatchUp(2, cf.Future(), time.monotonic())  # the download is under way
+            for _ in range(3):
+                model[0].weight.sum().backward()
+                assert copt.step(8) == StepOutcome.ACCUMULATED and copt._inflight is None, \
+                    "it took step 2 while the others were still in the round of step 1"
+            assert copt.acc.samples == 24 and copt._noted.seen(2, "missed round runs")
+            assert not copt._would_lead_alone(peer.collaboration()), "held back by the other rule, not this one"
+            applied.set()
+            deadline = time.monotonic() + 20
+            while copt._waits_for_missed_round(peer.collaboration()):
+                assert time.monotonic() < deadline, "it kept waiting once a member applied the round's update"
+                time.sleep(0.1)
+            copt._catchup = None
+            copt.close()
+    finally:
+        peer.close()
+
+
 def test_a_leader_whose_round_failed_reopens_the_step(tmp_path):
     """A round closed, then failed for its members (their joins timed out while the leader, starved
     or slowed by a dead DHT node, answered late). The leader's closed record and its answers kept the

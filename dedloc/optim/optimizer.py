@@ -112,6 +112,9 @@ class _CatchUp:
     started: float
     heard: dict[str, float] = field(default_factory=dict)
     """Each peer's record's publish time in the view read at the start (``_heard_from_others``)."""
+    missed_until: float | None = None
+    """Until when (wall clock) the round of ``min_step - 1`` that this peer missed may still run, read
+    once from its closed records (``_waits_for_missed_round``); 0.0 if none runs."""
 
 
 @dataclass
@@ -230,7 +233,7 @@ class CollaborativeOptimizer:
             if view.samples_at(self.global_step) < self.config.target_batch_size and \
                     view.global_step <= self.global_step:
                 return StepOutcome.ACCUMULATED
-            if self._would_lead_alone(view):
+            if self._would_lead_alone(view) or self._waits_for_missed_round(view):
                 return StepOutcome.ACCUMULATED
             return self._round(view)
         finally:
@@ -423,8 +426,7 @@ class CollaborativeOptimizer:
         # a peer still accumulating for the lost step has had a round's length to take it; one that has
         # not by then is frozen, or waits on this peer (its own catch-up): in the soak a peer held back
         # while catching up kept this wait going for 2 minutes
-        window = min(self.config.state_timeout, 2 * avg.matchmaking_time + avg.averaging_timeout + FRESH_GRACE)
-        if waited < window and self._may_still_take(view, lost):
+        if waited < self._round_window() and self._may_still_take(view, lost):
             return "another training peer is still accumulating for it"
         if waited < 2 * avg.matchmaking_time + FRESH_GRACE:
             return "a member whose round succeeded may not have published it yet"
@@ -498,6 +500,44 @@ class CollaborativeOptimizer:
         self._noted.log(self.global_step, "held back", f"step {self.global_step}: no other reachable trainer has reached "
                         f"it yet (they are at step {others}); {why} does not lead, so it keeps accumulating")
         return True
+
+    def _waits_for_missed_round(self, view: CollaborationView) -> bool:
+        """Whether to hold back this step's round (keeping the gradients) because the others at the
+        step are still in the round of the step before, which this peer missed (delayed updates: it
+        catches up on that step). They publish this step while that round runs (each accumulates for
+        the next step meanwhile), but none can join a round of it before its own round ends: a round
+        started now would close without them. In the delayed soak a peer that missed step 436 took
+        step 437 alone while the seven others were still in a 13 s round of 436; they missed 437,
+        and the step was both taken and skipped (a fork).
+
+        Holds while a group that closed that step may still finish (its closed record's deadline,
+        read once per catch-up) and no peer that serves its state publishes that step's update
+        applied; at most a round's length from the catch-up's start. A DHT that cannot be read does
+        not hold it back."""
+        catchup, step, me = self._catchup, self.global_step, self.peer.peer_id
+        if catchup is None or catchup.min_step != step or \
+                any((r.applied_step or 0) >= step for r in view.peers if r.role.serves and r.peer_id != me) or \
+                not any(r.applied_step == step - 1 for r in view.trainers_at(step) if r.peer_id != me) or \
+                time.monotonic() - catchup.started >= self._round_window():
+            return False
+        if catchup.missed_until is None:
+            try:
+                catchup.missed_until = self.peer.round_deadline(step - 1) or 0.0
+            except (DedlocError, cf.TimeoutError) as e:
+                logger.debug(f"step {step - 1}: could not read its closed rounds ({e!r}); not waiting for them")
+                catchup.missed_until = 0.0
+        if time.time() >= catchup.missed_until:
+            return False
+        self._noted.log(step, "missed round runs", f"step {step}: the others at it are still in the round of step "
+                        f"{step - 1} that this peer missed; it keeps accumulating until they can join a round of "
+                        f"step {step}")
+        return True
+
+    def _round_window(self) -> float:
+        """A round's length from a ready peer's point of view: its matchmaking, a retry's fresh
+        window, the round itself and the grace for publishing its result (bounded by ``state_timeout``)."""
+        avg = self.peer.averaging
+        return min(self.config.state_timeout, 2 * avg.matchmaking_time + avg.averaging_timeout + FRESH_GRACE)
 
     def _skip_lost_step(self, step: int, view: CollaborationView, followed: bool = False) -> None:
         """Every member lost the round of ``step``: count it as taken without an update, as they all do
