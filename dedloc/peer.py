@@ -208,8 +208,10 @@ class Peer:
         self.runtime.call("reconfigure", changes)
 
     def pending_round(self, step: int) -> int:
-        """The size of the vector contributing peers are ready to average for ``step`` (0: none yet)."""
-        return self.runtime.call("pending_numel", step)
+        """The size of the vector contributing peers are ready to average for ``step`` (0: none yet).
+        Raises DedlocError if the DHT cannot be read, TimeoutError if the runtime does not answer
+        within ``2 * matchmaking_time + 10`` s."""
+        return self.runtime.call("pending_numel", step, timeout=2 * self.averaging.matchmaking_time + 10)
 
     def closed_round(self, step: int) -> dict[str, list[str]]:
         """Members of each group that closed for ``step`` (leader -> peer ids), read from the DHT."""

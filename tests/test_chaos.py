@@ -14,7 +14,7 @@ import chaos  # noqa: E402
 
 @pytest.mark.timeout(400)
 @pytest.mark.alone  # it loads both cores (and its faults land elsewhere when another test slows it)
-def test_two_minutes_of_churn_lose_no_step(tmp_path):
+def test_two_minutes_of_churn_end_with_the_peers_in_step_and_no_long_stall(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(BENCH_DIR, "chaos.py"), "--minutes", "2", "--seed", "3",
                           "--fault-every", "12", "--backbone-every", "50", "--workdir", str(tmp_path)],
                          capture_output=True, text=True, timeout=380)

@@ -779,19 +779,21 @@ def test_a_peer_still_catching_up_does_not_take_the_next_step_alone():
         peer.close()
 
 
-def test_a_peer_that_missed_a_round_waits_for_its_members_before_the_next_step():
+@pytest.mark.parametrize("release", ["applied", "ready"])
+def test_a_peer_that_missed_a_round_waits_for_its_members_before_the_next_step(release):
     """Delayed updates: a trainer that missed step 1's round catches up on it while the others at
     step 2 are still in that round (they publish step 2, applied 1, while it runs). In the delayed
     soak such a peer took step 437 alone during the others' 13 s round of 436, and the step was both
     taken and skipped (a fork). Now it keeps accumulating while that round may still run, and goes
-    on once a member publishes its update applied."""
+    on once a member publishes its update applied, or is ready for step 2's round (its ready
+    record comes first: a member publishes its progress only after its next micro-batch)."""
 
     from dedloc.optim.optimizer import _CatchUp
-    from dedloc.records import ClosedRecord, ProgressRecord, Role
+    from dedloc.records import ClosedRecord, Member, ProgressRecord, ReadyRecord, Role
 
     rid = run_id()
     peer = Peer(PeerConfig(run_id=rid), AVG)
-    applied, tasks = threading.Event(), []
+    released, tasks = threading.Event(), []
 
     async def member(node, finished):  # a member of step 1's round, at step 2 while that round runs
         me = node.peer_id.to_base58()
@@ -800,9 +802,13 @@ def test_a_peer_that_missed_a_round_waits_for_its_members_before_the_next_step()
                          ProgressRecord(me, 2, 16, 1.0, Role.TRAINER, fingerprint="1:cafe").to_wire(), ttl=60.0)
 
         async def later():
-            await asyncio.to_thread(applied.wait, 60)
-            record = ProgressRecord(me, 2, 16, 1.0, Role.TRAINER, fingerprint="2:cafe")
-            await node.store(node.key("progress"), me, record.to_wire(), ttl=60.0)
+            await asyncio.to_thread(released.wait, 60)
+            if release == "applied":
+                record = ProgressRecord(me, 2, 16, 1.0, Role.TRAINER, fingerprint="2:cafe")
+                await node.store(node.key("progress"), me, record.to_wire(), ttl=60.0)
+            else:
+                ready = ReadyRecord(Member(me, 16.0, 1.0), numel=4)
+                await node.store(node.key("ready", 2), me, ready.to_wire(), ttl=60.0)
         tasks.append(asyncio.ensure_future(later()))
 
     try:
@@ -823,10 +829,10 @@ def test_a_peer_that_missed_a_round_waits_for_its_members_before_the_next_step()
                     "it took step 2 while the others were still in the round of step 1"
             assert copt.acc.samples == 24 and copt._noted.seen(2, "missed round runs")
             assert not copt._would_lead_alone(peer.collaboration()), "held back by the other rule, not this one"
-            applied.set()
+            released.set()
             deadline = time.monotonic() + 20
             while copt._waits_for_missed_round(peer.collaboration()):
-                assert time.monotonic() < deadline, "it kept waiting once a member applied the round's update"
+                assert time.monotonic() < deadline, f"it kept waiting once a member's round was over ({release})"
                 time.sleep(0.1)
             copt._catchup = None
             copt.close()

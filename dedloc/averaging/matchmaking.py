@@ -123,6 +123,10 @@ SharePolicy = Callable[[tuple[Member, ...], int], Awaitable[tuple[float, ...]]]
 """(members, numel) -> the shares of one (sub)group, decided by the leader's planner."""
 
 
+def _missed_error(step: int, why: str) -> MissedRoundError:
+    return MissedRoundError(f"step {step}: {why}; join the next step")
+
+
 def _seconds(value: Any, low: float, high: float) -> float | None:
     """A duration a peer sent, clamped into ``[low, high]``; None if absent or not a finite number."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -205,6 +209,11 @@ class Matchmaker:
         missed the step): joiners wait for the new decision instead of getting the old answer."""
         self._failed.discard(step)
         self._lead.pop(step, None)
+        self._undecide(step)
+
+    def _undecide(self, step: int) -> None:
+        """This peer no longer follows anyone for ``step`` and has not decided what it does next:
+        a joiner waits for that decision instead of being sent to the leader it followed."""
         self._follow.pop(step, None)
         if step in self._decided and self._decided[step].is_set():
             self._decided[step] = asyncio.Event()
@@ -324,7 +333,16 @@ class Matchmaker:
 
     def _missed(self, step: int, why: str) -> NoReturn:
         self._decision(step).set()
-        raise MissedRoundError(f"step {step}: {why}; join the next step")
+        raise _missed_error(step, why)
+
+    def _end_lead(self, step: int, state: _Lead, error: Exception, held: bool | None = None) -> NoReturn:
+        """End this peer's lead of ``step`` without a group and raise ``error``: each joiner waiting
+        is answered ``missed`` (with ``held``, when given: False sends them to form another group)."""
+        if held is not None:
+            state.held = held
+        state.done.set()
+        self._decision(step).set()
+        raise error from None
 
     # ---- entry point -----------------------------------------------------------------------------
     async def form_group(self, step: int, weight: float, expected_peers: int | None = None,
@@ -433,11 +451,10 @@ class Matchmaker:
             # be run by nobody, yet its closed record would close the step for a round's length (in the
             # delayed soak a leader frozen for 33 s did so, and every member waited on it to skip the
             # step). Any joiner still waiting is told to form another group.
-            state.held = False
             self._failed.add(step)
-            state.done.set()
-            raise MatchmakingError(f"step {step}: this peer was suspended while leading ({overslept:.0f} s past "
-                                   f"its close); its joiners have gone: the step is left to the others")
+            self._end_lead(step, state, MatchmakingError(
+                f"step {step}: this peer was suspended while leading ({overslept:.0f} s past its close); its "
+                f"joiners have gone: the step is left to the others"), held=False)
         alone = len(state.members) == 1
         if not looked and alone:
             # A follower whose leader's stream open hung until its own deadline (a leader killed
@@ -447,10 +464,9 @@ class Matchmaker:
             try:
                 ready = await asyncio.wait_for(self._ready(step, me), self.config.matchmaking_time)
             except Exception as e:
-                state.done.set()
-                self._decision(step).set()
-                raise MatchmakingError(f"step {step}: leading past the join deadline, and the step's ready records "
-                                       f"could not be read ({type(e).__name__}); not taking the step alone") from None
+                self._end_lead(step, state, MatchmakingError(
+                    f"step {step}: leading past the join deadline, and the step's ready records could not be read "
+                    f"({type(e).__name__}); not taking the step alone"))
         unjoined = bool(set(ready) - self._unreachable.get(step, set()) - set(state.members))
         if alone and not unjoined and self.progress is not None:
             unjoined = await self._lone_lead_check(step, state)
@@ -500,11 +516,9 @@ class Matchmaker:
             # In the 2-minute soak a trainer whose loop had been stopped for 30 s woke as step 6's closed
             # records expired; its first look at the progress records timed out (a slow DHT: dead and
             # frozen nodes), and it took step 6 alone while the others were at step 12.
-            state.done.set()
-            if view is None:
-                raise MatchmakingError(f"step {step}: no ready peer seen, and the progress records could not be "
-                                       f"read; not taking the step alone")
-            self._missed(step, TOOK)
+            self._end_lead(step, state, _missed_error(step, TOOK) if view is not None else MatchmakingError(
+                f"step {step}: no ready peer seen, and the progress records could not be read; not taking the "
+                f"step alone"))
         return any(r.peer_id != self.me for r in view.trainers_at(step))
 
     async def _leave_to_trainers(self, step: int, state: _Lead, alone: bool) -> None:
@@ -520,20 +534,17 @@ class Matchmaker:
         if view is None:
             return
         if view.took(step, exclude=self.me):
-            state.held = False
-            state.done.set()
-            self._missed(step, TOOK)
+            self._end_lead(step, state, _missed_error(step, TOOK), held=False)
         trainers = sorted(r.peer_id for r in view.trainers_at(step)
                           if r.role == Role.TRAINER and r.peer_id not in state.members)
         if not trainers:
             return
-        state.held = False  # no group: joiners pass this peer over, as for a group that holds no state
-        state.done.set()
-        self._decision(step).set()
         logger.info(f"step {step}: this lead's group (clients and aggregators only) could not hand the step on, "
                     f"and {len(trainers)} trainer(s) that can are at it ({trainers[0]}): left to them")
-        raise LeftToTrainersError(f"step {step}: left to the trainers at it ({', '.join(trainers)}): a group of "
-                                  f"clients and aggregators only could not hand the state on")
+        # no group: joiners pass this peer over (held: false), as for a group that holds no state
+        self._end_lead(step, state, LeftToTrainersError(
+            f"step {step}: left to the trainers at it ({', '.join(trainers)}): a group of clients and aggregators "
+            f"only could not hand the state on"), held=False)
 
     async def _close_unless_taken(self, step: int, state: _Lead, alone: bool) -> None:
         """Before closing a lead that some ready peers never joined: if another group closed the step
@@ -550,14 +561,12 @@ class Matchmaker:
             if not alone:
                 logger.debug(f"step {step}: could not read the closed records before closing: {e!r}")
                 return
-            state.done.set()
-            self._decision(step).set()
-            raise MatchmakingError(f"step {step}: no ready peer joined this peer's lead, and the step's closed "
-                                   f"records could not be read ({type(e).__name__}); not taking the step alone")
-        if missed:
-            state.done.set()  # no group: the joiners are told they missed the step, which is held
+            self._end_lead(step, state, MatchmakingError(
+                f"step {step}: no ready peer joined this peer's lead, and the step's closed records could not be "
+                f"read ({type(e).__name__}); not taking the step alone"))
+        if missed:  # no group: the joiners are told they missed the step, which is held
             logger.info(f"step {step}: ready peers never joined this peer's lead; {missed}")
-            self._missed(step, missed)
+            self._end_lead(step, state, _missed_error(step, missed))
 
     async def _yield_if_outranked(self, step: int, state: _Lead) -> None:
         """A lead of one that ready peers never joined, just closed: another peer may have closed the
@@ -767,8 +776,7 @@ class Matchmaker:
                 # undecided while it looks: a joiner that gave up on the same leader waits for what this
                 # peer does next (it leads, or follows another), instead of being redirected to the one
                 # both passed over
-                self._follow.pop(step, None)
-                self._decided[step] = asyncio.Event()
+                self._undecide(step)
                 deadline = max(deadline, loop.time() + 2 * self.config.matchmaking_time)
                 try:  # and by what they see now: a ready record slow to spread (the frozen node is a DHT node too)
                     fresh = await asyncio.wait_for(self._ready(step, me), self.config.matchmaking_time / 2)

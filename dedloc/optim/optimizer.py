@@ -511,9 +511,11 @@ class CollaborativeOptimizer:
         and the step was both taken and skipped (a fork).
 
         Holds while a group that closed that step may still finish (its closed record's deadline,
-        read once per catch-up) and no peer that serves its state publishes that step's update
-        applied; at most a round's length from the catch-up's start. A DHT that cannot be read does
-        not hold it back."""
+        read once per catch-up), no peer that serves its state publishes that step's update applied,
+        and no peer is ready for this step's round yet (its ready record: a member starts this round
+        the moment its own ends, and publishes its progress only after its next micro-batch); at
+        most a round's length from the catch-up's start. A DHT that cannot be read does not hold it
+        back."""
         catchup, step, me = self._catchup, self.global_step, self.peer.peer_id
         if catchup is None or catchup.min_step != step or \
                 any((r.applied_step or 0) >= step for r in view.peers if r.role.serves and r.peer_id != me) or \
@@ -527,6 +529,12 @@ class CollaborativeOptimizer:
                 logger.debug(f"step {step - 1}: could not read its closed rounds ({e!r}); not waiting for them")
                 catchup.missed_until = 0.0
         if time.time() >= catchup.missed_until:
+            return False
+        try:
+            if self.peer.pending_round(step) > 0:
+                return False
+        except (DedlocError, cf.TimeoutError) as e:
+            logger.debug(f"step {step}: could not read its ready records ({e!r}); not waiting")
             return False
         self._noted.log(step, "missed round runs", f"step {step}: the others at it are still in the round of step "
                         f"{step - 1} that this peer missed; it keeps accumulating until they can join a round of "

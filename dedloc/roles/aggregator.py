@@ -14,6 +14,7 @@ is tried again, so it serves theirs.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import logging
 import threading
@@ -55,7 +56,11 @@ class Aggregator:
         """Join the oldest round the trainers are forming; True if there was one."""
         first = max(self.next_step, view.global_step - 1)
         for step in range(first, view.global_step + 1):
-            numel = self.peer.pending_round(step)
+            try:
+                numel = self.peer.pending_round(step)
+            except cf.TimeoutError:  # a runtime stuck on a slow DHT: look again on the next pass
+                logger.debug(f"step {step}: its ready records could not be read in time")
+                continue
             if not numel:
                 continue
             expected = len(view.trainers_at(step)) + len(view.aggregators)
