@@ -727,14 +727,40 @@ def test_a_lost_step_is_skipped_only_once_no_round_may_finish_and_the_view_is_fr
         peer.close()
 
 
+@contextlib.contextmanager
+def held_back_while_catching_up_on_step_1(peer: Peer, setup, event: str, why: str):
+    """A delayed-updates optimizer on ``peer``, with a bare node run by ``setup`` (conftest's
+    ``bare_node``) beside it. Once that node's progress record shows, the optimizer is put at step 2
+    while it catches up on step 1 (its round of step 1 failed or was missed; the download is under
+    way), and must keep 3 micro-batches without starting step 2's round, having logged ``event``
+    (else: ``why``). Yields the optimizer."""
+    from dedloc.optim.optimizer import _CatchUp
+
+    model = make_model()
+    opt, sched = make_opt(model)
+    copt = CollaborativeOptimizer(opt, peer, OptimizerConfig(target_batch_size=8, delay_updates=True),
+                                  scheduler=sched, model=model)
+    with bare_node(PeerConfig(run_id=peer.config.run_id, initial_peers=tuple(peer.maddrs)), setup) as other:
+        deadline = time.monotonic() + 20
+        while not any(r.peer_id == other for r in peer.collaboration().peers):
+            assert time.monotonic() < deadline, "the other trainer's record never showed"
+            time.sleep(0.1)
+        copt.global_step, copt.applied_step = 2, 1
+        copt._catchup = _CatchUp(2, cf.Future(), time.monotonic())
+        for _ in range(3):
+            model[0].weight.sum().backward()
+            assert copt.step(8) == StepOutcome.ACCUMULATED and copt._inflight is None, why
+        assert copt.acc.samples == 24 and copt._noted.seen(2, event)
+        yield copt
+        copt._catchup = None
+        copt.close()
+
+
 def test_a_peer_still_catching_up_does_not_take_the_next_step_alone():
     """Delayed updates: a trainer whose round failed went on to the next round while its catch-up
     was pending; alone in it, it published a step ahead of everyone, who then waited for its state
     while it waited (catching up) for theirs: a stall in the soak. Now it holds that round, keeping
     its gradients, until another reachable trainer reaches its step."""
-
-    from dedloc.optim.optimizer import _CatchUp
-    from dedloc.records import ProgressRecord, Role
 
     rid = run_id()
     peer = Peer(PeerConfig(run_id=rid), AVG)
@@ -752,29 +778,12 @@ def test_a_peer_still_catching_up_does_not_take_the_next_step_alone():
         tasks.append(asyncio.ensure_future(later()))
 
     try:
-        model = make_model()
-        opt, sched = make_opt(model)
-        copt = CollaborativeOptimizer(opt, peer, OptimizerConfig(target_batch_size=8, delay_updates=True),
-                                      scheduler=sched, model=model)
-        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs)), other) as behind:
-            deadline = time.monotonic() + 20
-            while not any(r.peer_id == behind for r in peer.collaboration().peers):
-                assert time.monotonic() < deadline, "the other trainer's record never showed"
-                time.sleep(0.1)
-            copt.global_step, copt.applied_step = 2, 1  # round 1 failed for this peer: catching up on it
-            copt._catchup = _CatchUp(2, cf.Future(), time.monotonic())  # the download is under way
-            for _ in range(3):
-                model[0].weight.sum().backward()
-                assert copt.step(8) == StepOutcome.ACCUMULATED and copt._inflight is None, \
-                    "it took the step alone while catching up"
-            assert copt.acc.samples == 24 and copt._noted.seen(2, "held back")
+        with held_back_while_catching_up_on_step_1(peer, other, "held back", "it took the step alone") as copt:
             moved.set()
             deadline = time.monotonic() + 20
             while copt._would_lead_alone(peer.collaboration()):
                 assert time.monotonic() < deadline, "it kept holding once the other trainer reached its step"
                 time.sleep(0.1)
-            copt._catchup = None
-            copt.close()
     finally:
         peer.close()
 
@@ -788,8 +797,7 @@ def test_a_peer_that_missed_a_round_waits_for_its_members_before_the_next_step(r
     on once a member publishes its update applied, or is ready for step 2's round (its ready
     record comes first: a member publishes its progress only after its next micro-batch)."""
 
-    from dedloc.optim.optimizer import _CatchUp
-    from dedloc.records import ClosedRecord, Member, ProgressRecord, ReadyRecord, Role
+    from dedloc.records import ClosedRecord, Member, ReadyRecord
 
     rid = run_id()
     peer = Peer(PeerConfig(run_id=rid), AVG)
@@ -812,30 +820,14 @@ def test_a_peer_that_missed_a_round_waits_for_its_members_before_the_next_step(r
         tasks.append(asyncio.ensure_future(later()))
 
     try:
-        model = make_model()
-        opt, sched = make_opt(model)
-        copt = CollaborativeOptimizer(opt, peer, OptimizerConfig(target_batch_size=8, delay_updates=True),
-                                      scheduler=sched, model=model)
-        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs)), member) as other:
-            deadline = time.monotonic() + 20
-            while not any(r.peer_id == other for r in peer.collaboration().peers):
-                assert time.monotonic() < deadline, "the member's record never showed"
-                time.sleep(0.1)
-            copt.global_step, copt.applied_step = 2, 1  # it missed round 1: catching up on it
-            copt._catchup = _CatchUp(2, cf.Future(), time.monotonic())  # the download is under way
-            for _ in range(3):
-                model[0].weight.sum().backward()
-                assert copt.step(8) == StepOutcome.ACCUMULATED and copt._inflight is None, \
-                    "it took step 2 while the others were still in the round of step 1"
-            assert copt.acc.samples == 24 and copt._noted.seen(2, "missed round runs")
+        with held_back_while_catching_up_on_step_1(peer, member, "missed round runs", "it took step 2 while the "
+                                                   "others were still in the round of step 1") as copt:
             assert not copt._would_lead_alone(peer.collaboration()), "held back by the other rule, not this one"
             released.set()
             deadline = time.monotonic() + 20
             while copt._waits_for_missed_round(peer.collaboration()):
                 assert time.monotonic() < deadline, f"it kept waiting once a member's round was over ({release})"
                 time.sleep(0.1)
-            copt._catchup = None
-            copt.close()
     finally:
         peer.close()
 
@@ -1206,3 +1198,63 @@ def test_the_peers_that_pass_a_frozen_leader_over_regroup_in_a_fresh_window(tmp_
     finally:
         for p in peers:
             p.close()
+
+
+def test_a_leader_starts_its_round_while_its_closed_record_is_still_being_stored(tmp_path):
+    """The soaks' longest stalls (sync, step 177: 23.6 s; delayed, step 76: 32.9 s): a leader answered
+    its joiners, then stored its closed record before starting its own round. The store reached a
+    DHT node frozen whole and waited for it, so the leader began its round 6-8 s after its members,
+    whose aggregators refused its contributions as late; the round failed for everyone. Now the
+    record is stored in the background while the round runs. Here the store waits until released,
+    as on a frozen replica (a real freeze cannot be timed to hit the store first: the DHT blacklists
+    a silent node at its first timeout, whichever request that is): the leader has its group at
+    once, the record is published once the store goes through, and one still under way when the
+    matchmaker closes is cancelled."""
+    from dedloc.averaging.matchmaking import Matchmaker
+    from dedloc.net.node import Node
+
+    lead_key, join_key = ordered_identities(tmp_path)
+    rid = run_id()
+    avg = AveragingConfig(matchmaking_time=1, averaging_timeout=20, probe_interval=0)
+
+    async def main() -> None:
+        lead = await Node.create(PeerConfig(run_id=rid, identity_path=str(lead_key)))
+        join = await Node.create(PeerConfig(run_id=rid, initial_peers=tuple(await lead.visible_maddrs()),
+                                            identity_path=str(join_key)))
+        release, pending = asyncio.Event(), []
+        real_store = lead.store
+
+        async def store(key: str, subkey: str, value, ttl: float) -> bool:
+            if key.startswith(lead.key("closed", "")):  # a replica frozen whole: the store waits on it
+                pending.append(key)
+                await release.wait()
+            return await real_store(key, subkey, value, ttl)
+
+        lead.store = store
+        leader, joiner = Matchmaker(lead, avg, 1.0), Matchmaker(join, avg, 1.0)
+        me = lead.peer_id.to_base58()
+        try:
+            await leader.start()
+            await joiner.start()
+            # before: the leader's form_group returned only once the store went through (here: never)
+            groups = await asyncio.wait_for(asyncio.gather(leader.form_group(0, 8.0, expected_peers=2),
+                                                           joiner.form_group(0, 8.0, expected_peers=2)), 30)
+            assert groups[0].round_id == groups[1].round_id and len(groups[0].members) == 2
+            assert pending == [lead.key("closed", 0)] and await joiner.closed_round(0) == {}
+            release.set()
+            deadline = time.monotonic() + 20
+            while me not in await joiner.closed_round(0):
+                assert time.monotonic() < deadline, "the closed record was never published"
+                await asyncio.sleep(0.05)
+            assert sorted(await joiner.closed_round(0)) == [me]
+            release.clear()
+            await asyncio.wait_for(asyncio.gather(leader.form_group(1, 8.0, expected_peers=2),
+                                                  joiner.form_group(1, 8.0, expected_peers=2)), 30)
+            assert len(pending) == 2 and len(leader._stores) == 1
+            await asyncio.wait_for(leader.close(), 5)  # the store still under way is cancelled, not left behind
+            assert not leader._stores
+        finally:
+            await join.shutdown()
+            await lead.shutdown()
+
+    asyncio.run(main())

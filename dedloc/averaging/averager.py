@@ -200,6 +200,7 @@ class Averager:
             self._expire(round_id)
         for task in self._reporters:
             task.cancel()
+        await self.matchmaker.close()
 
     async def _lookup(self, round_id: bytes, wait: float) -> _Round | None:
         if round_id not in self._rounds:

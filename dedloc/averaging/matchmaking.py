@@ -174,6 +174,8 @@ class Matchmaker:
         """Steps whose round failed at this peer and that it has not started matchmaking for again."""
         self._dead: dict[int, set[bytes]] = {}
         """Per step, the rounds that failed at this peer: it never runs one again (rule 12)."""
+        self._stores: set[asyncio.Task] = set()
+        """The ``closed`` records this peer is storing while its rounds run (``close`` cancels them)."""
         self._waiting: dict[int, dict[str, float]] = {}
         """Per step, the joiners waiting for this peer's answer, each with the time (event loop) by
         which this peer must close to answer it in time (rule 3)."""
@@ -229,6 +231,20 @@ class Matchmaker:
         logger.info(f"step {step}: the round this peer led failed; the step is open again for the others")
         if led.held:  # its closed record must no longer close the step (bounded: the caller waits for this)
             await self._withdraw_closed(step)
+
+    async def _store_closed(self, step: int, record: ClosedRecord) -> None:
+        """Store this peer's ``closed`` record for ``step`` (a failure is logged at DEBUG: late peers then
+        learn of the group from its members' progress, rule 10)."""
+        try:
+            await self.node.store(self.node.key("closed", step), self.me, record.to_wire(), ttl=self._closed_ttl())
+        except Exception as e:
+            logger.debug(f"step {step}: could not store the closed record: {e!r}")
+
+    async def close(self) -> None:
+        """Cancel the closed-record stores still under way (at shutdown)."""
+        for task in list(self._stores):
+            task.cancel()
+        await asyncio.gather(*self._stores, return_exceptions=True)
 
     async def _withdraw_closed(self, step: int) -> None:
         """Overwrite this peer's ``closed`` record for ``step`` so that it closes nothing (bounded by
@@ -493,11 +509,18 @@ class Matchmaker:
         state.held = _holds_state(members)
         state.done.set()  # answer the joiners first: the record below can wait on a slow DHT
         if state.held:
-            await self.node.store(self.node.key("closed", step), self.me,
-                                  ClosedRecord(self.me, tuple(m.peer_id for m in members), until).to_wire(),
-                                  ttl=self._closed_ttl())
-            if alone and unjoined:
+            stored = self._store_closed(step, ClosedRecord(self.me, tuple(m.peer_id for m in members), until))
+            if alone and unjoined:  # nobody waits on this lead, and its look after closing needs the record
+                await stored
                 await self._yield_if_outranked(step, state)
+            else:
+                # The round starts at once, the record on its way: a DHT store waits on every node it goes
+                # to, a frozen one too (in the sync soak the leader of step 177 began its round 8 s after
+                # its members, whose aggregators refused its contributions as late). A withdrawal (rule 5)
+                # may overtake it: stored later, it expires later, and the DHT keeps the later expiry.
+                task = asyncio.create_task(stored, name=f"dedloc-closed-{step}")
+                self._stores.add(task)
+                task.add_done_callback(self._stores.discard)
         else:
             logger.info(f"step {step}: led a group in which no member can hand the state on (clients and "
                         f"aggregators only); peers that missed it will form another")
