@@ -207,11 +207,16 @@ class Peer:
                    if v is not None}
         self.runtime.call("reconfigure", changes)
 
+    def _dht_read_timeout(self) -> float:
+        """How long the training loop waits for the runtime to answer one DHT read (a matchmaking
+        window's worth of slow nodes, and a margin for a busy runtime)."""
+        return 2 * self.averaging.matchmaking_time + 10
+
     def pending_round(self, step: int) -> int:
         """The size of the vector contributing peers are ready to average for ``step`` (0: none yet).
         Raises DedlocError if the DHT cannot be read, TimeoutError if the runtime does not answer
         within ``2 * matchmaking_time + 10`` s."""
-        return self.runtime.call("pending_numel", step, timeout=2 * self.averaging.matchmaking_time + 10)
+        return self.runtime.call("pending_numel", step, timeout=self._dht_read_timeout())
 
     def closed_round(self, step: int) -> dict[str, list[str]]:
         """Members of each group that closed for ``step`` (leader -> peer ids), read from the DHT."""
@@ -222,7 +227,7 @@ class Peer:
         groups that closed it, plus a grace for clock skew; None if none did. Raises DedlocError if
         the DHT cannot be read, TimeoutError if the runtime does not answer within
         ``2 * matchmaking_time + 10`` s."""
-        return self.runtime.call("round_deadline", step, timeout=2 * self.averaging.matchmaking_time + 10)
+        return self.runtime.call("round_deadline", step, timeout=self._dht_read_timeout())
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -751,9 +751,11 @@ def held_back_while_catching_up_on_step_1(peer: Peer, setup, event: str, why: st
             model[0].weight.sum().backward()
             assert copt.step(8) == StepOutcome.ACCUMULATED and copt._inflight is None, why
         assert copt.acc.samples == 24 and copt._noted.seen(2, event)
-        yield copt
-        copt._catchup = None
-        copt.close()
+        try:
+            yield copt
+        finally:
+            copt._catchup = None
+            copt.close()
 
 
 def test_a_peer_still_catching_up_does_not_take_the_next_step_alone():

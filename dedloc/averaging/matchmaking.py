@@ -232,13 +232,15 @@ class Matchmaker:
         if led.held:  # its closed record must no longer close the step (bounded: the caller waits for this)
             await self._withdraw_closed(step)
 
-    async def _store_closed(self, step: int, record: ClosedRecord) -> None:
-        """Store this peer's ``closed`` record for ``step`` (a failure is logged at DEBUG: late peers then
-        learn of the group from its members' progress, rule 10)."""
+    async def _store_closed(self, step: int, record: ClosedRecord, bound: float | None = None) -> None:
+        """Store this peer's ``closed`` record for ``step`` (or its withdrawal), within ``bound`` seconds
+        if given. A failure is logged at DEBUG: late peers then learn of a group from its members'
+        progress (rule 10), and a record not withdrawn lives out its TTL (rule 11 judges it)."""
         try:
-            await self.node.store(self.node.key("closed", step), self.me, record.to_wire(), ttl=self._closed_ttl())
+            await asyncio.wait_for(self.node.store(self.node.key("closed", step), self.me, record.to_wire(),
+                                                   ttl=self._closed_ttl()), bound)
         except Exception as e:
-            logger.debug(f"step {step}: could not store the closed record: {e!r}")
+            logger.debug(f"step {step}: could not store the closed record {record.to_wire()!r}: {e!r}")
 
     async def close(self) -> None:
         """Cancel the closed-record stores still under way (at shutdown)."""
@@ -249,11 +251,7 @@ class Matchmaker:
     async def _withdraw_closed(self, step: int) -> None:
         """Overwrite this peer's ``closed`` record for ``step`` so that it closes nothing (bounded by
         ``matchmaking_time``; a failure is logged at DEBUG: the record then lives out its TTL)."""
-        try:
-            await asyncio.wait_for(self.node.store(self.node.key("closed", step), self.me, ClosedRecord(self.me, None).to_wire(),
-                                                   ttl=self._closed_ttl()), self.config.matchmaking_time)
-        except Exception as e:
-            logger.debug(f"step {step}: could not withdraw the closed record: {e!r}")
+        await self._store_closed(step, ClosedRecord(self.me, None), self.config.matchmaking_time)
 
     def _closed_ttl(self) -> float:
         """How long a ``closed`` record lives (a withdrawal stored later outlives the record it replaces)."""
