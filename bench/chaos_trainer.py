@@ -83,7 +83,8 @@ def main() -> None:
 
         opt = CollaborativeOptimizer(sgd, peer, OptimizerConfig(target_batch_size=spec["target"],
                                                                 delay_updates=spec["delay_updates"],
-                                                                state_timeout=spec.get("state_timeout", 120.0)),
+                                                                state_timeout=spec.get("state_timeout", 120.0),
+                                                                hand_on_timeout=20.0),  # chaos kills at 30 s
                                      scheduler=sched, model=model, on_contribute=contributed)
         log("ready", global_step=opt.global_step, applied=opt.applied_step)
         log("applied", applied=opt.applied_step, params=flat(model), via="join")

@@ -214,6 +214,9 @@ class OptimizerConfig:
     verify_sync: bool = True
     """Publish a hash of the parameters after each step; a peer that disagrees with the majority
     downloads the state again."""
+    hand_on_timeout: float = 30.0
+    """On leaving (``close``), a trainer that holds a step no other peer serving its state holds
+    yet serves it up to this long, until one does (0: leave at once)."""
 
     def validate(self) -> "OptimizerConfig":
         _check(self.target_batch_size >= 1, "target_batch_size", "must be >= 1")
@@ -221,6 +224,7 @@ class OptimizerConfig:
         _check(self.max_gather_wait >= 0, "max_gather_wait", "must be >= 0")
         _check(self.state_timeout > 0, "state_timeout", "must be > 0")
         _check(self.max_state_bytes is None or self.max_state_bytes > 0, "max_state_bytes", "must be > 0 or None")
+        _check(self.hand_on_timeout >= 0, "hand_on_timeout", "must be >= 0")
         return self
 
 

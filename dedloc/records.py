@@ -164,20 +164,34 @@ class CollaborationView:
         return sum(r.samples for r in self.trainers_at(step))
 
     def took(self, step: int, exclude: str = "") -> bool:
-        """Whether most training peers (less ``exclude``, and those resyncing) that publish a
-        fingerprint already hold the parameters after ``step``'s update: the collaboration took
-        ``step``, and a round for it now could only be a group of latecomers (a fork). A lone peer
-        ahead (e.g. a forked one, before it steps back) is not the collaboration."""
-        applied = [a > step for r in self.peers
-                   if r.peer_id != exclude and r.role.trains and not r.syncing and (a := r.applied_step) is not None]
+        """Whether most training peers (less ``exclude``, and those resyncing) whose fingerprint
+        counts (``votes``) already hold the parameters after ``step``'s update: the collaboration
+        took ``step``, and a round for it now could only be a group of latecomers (a fork). A lone
+        peer ahead (e.g. a forked one, before it steps back) is not the collaboration."""
+        applied = [a > step for r in self.peers if r.peer_id != exclude and r.role.trains and not r.syncing
+                   and (a := r.applied_step) is not None and self.votes(r)]
         return 2 * sum(applied) > len(applied)
 
+    def votes(self, record: ProgressRecord) -> bool:
+        """Whether ``record``'s fingerprint counts as a vote on the collaboration's history (rule 10,
+        the fingerprint majority, the lineage votes). A client's counts only while a trainer (not
+        resyncing) publishes the same one, or no trainer is alive (the clients are then the
+        collaboration): a state that only clients hold can be downloaded from nobody. In a CI soak a
+        trainer took a step with a client and left at once; the client's copy made that step taken
+        for the other trainer, which could neither take it again nor download it, while the client
+        waited for a trainer to reach its step: neither moved again."""
+        if record.role != Role.CLIENT or not record.fingerprint:
+            return bool(record.fingerprint)
+        trainers = [r for r in self.peers if r.role == Role.TRAINER]
+        return not trainers or any(r.fingerprint == record.fingerprint and not r.syncing for r in trainers)
+
     def consensus_fingerprint(self, applied_step: int) -> str | None:
-        """The parameter fingerprint most peers at ``applied_step`` report (ties: the smallest peer id's)."""
+        """The parameter fingerprint most peers at ``applied_step`` report, of those that count
+        (``votes``; ties: the smallest peer id's)."""
         prefix = f"{applied_step}:"
         votes: dict[str, list[str]] = {}
         for r in self.peers:
-            if r.fingerprint.startswith(prefix):
+            if r.fingerprint.startswith(prefix) and self.votes(r):
                 votes.setdefault(r.fingerprint, []).append(r.peer_id)
         if not votes:
             return None

@@ -1260,3 +1260,51 @@ def test_a_leader_starts_its_round_while_its_closed_record_is_still_being_stored
             await lead.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("leaves", ["handing its step on", "at once"])
+def test_a_step_only_a_leaving_trainer_could_serve_is_handed_on_or_taken_again(leaves):
+    """A CI soak's lost step: the aggregator, a client and one trainer took step 9, and the trainer
+    restarted at once. Nobody left could serve that step, and the client's copy made it taken for
+    the other trainer: it could neither take the step again nor download it, while the client
+    waited for a trainer to reach its step (76 s, until the soak killed the client). Now a trainer
+    that leaves holding a step that no other peer serving its state holds serves it until one does:
+    here the other trainer, away while the first one and a client take step 0, misses that round
+    and downloads its result. One that leaves at once (hand_on_timeout 0, as a kill -9 does) leaves
+    a step that only the client holds: the client's fingerprint no longer counts (no trainer
+    publishes it), the other trainer takes the step again, and the client steps back to it."""
+    torch.set_num_threads(1)
+    rid = run_id()
+    t = Peer(PeerConfig(run_id=rid), AVG)
+    c = Peer(PeerConfig(run_id=rid, initial_peers=tuple(t.maddrs), client_mode=True), AVG)
+    u = Peer(PeerConfig(run_id=rid, initial_peers=tuple(t.maddrs)), AVG)
+    cfg = OptimizerConfig(target_batch_size=32, state_timeout=30)
+    leaving = Trainer(0, t, OptimizerConfig(target_batch_size=32, state_timeout=30,
+                                            hand_on_timeout=30 if leaves == "handing its step on" else 0),
+                      8, delay=0.05, stop_at=1)
+
+    def until_step_0_is_taken(opt):  # a trainer away (a busy laptop) while step 0 is taken without it
+        deadline = time.monotonic() + 60
+        while 1 not in leaving.params and leaving.is_alive() and time.monotonic() < deadline:
+            threading.Event().wait(0.05)
+
+    client = Trainer(1, c, cfg, 8, delay=0.05, steps=3)
+    away = Trainer(2, u, cfg, 8, delay=0.05, steps=3, gate=until_step_0_is_taken)
+    try:
+        for tr in (leaving, client, away):
+            tr.start()
+        join_all([leaving, client, away], timeout=200)
+        assert leaving.opt.history[0].group_size == 2 and 2 not in leaving.params
+        assert max(away.params) == max(client.params) == 3
+        # (a peer's params[s] are the first it held at step s: the client's fork, when it stepped back)
+        for step in range(1 if leaves == "handing its step on" else 2, 4):
+            assert torch.equal(away.params[step], client.params[step]), f"the peers differ after step {step}"
+        if leaves == "at once":
+            assert client.opt.resyncs >= 1, "the client never stepped back from the step nobody could serve"
+        else:  # the step the leaving trainer took is the one the others went on from: no step taken twice
+            assert torch.equal(away.params[1], leaving.params[1]), "the step was taken again without it"
+            assert client.opt.resyncs == 0
+    finally:
+        for p in (t, c, u):
+            p.close()

@@ -300,6 +300,32 @@ def test_lineage_votes_count_only_steps_the_lineage_holds():
     assert tie.outvoted() is False and lineage.votes({4: "4:x"}, _view("4:b", "4:x")).outvoted() is True
 
 
+def test_a_clients_fingerprint_counts_only_while_a_trainer_holds_the_same_parameters():
+    """A state that only clients hold can be downloaded from nobody: their fingerprints neither make
+    a step taken (rule 10) nor outvote a trainer's history, unless no trainer is alive."""
+    from dedloc.state import lineage
+
+    def rec(peer, role, fp, syncing=False):
+        return ProgressRecord(peer, 1, 0, 0.0, role, fingerprint=fp, syncing=syncing)
+
+    alone = CollaborationView.build([rec("c1", Role.CLIENT, "1:own"), rec("t1", Role.TRAINER, "0:a")])
+    assert not alone.took(0, exclude="t1") and lineage.fingerprints(alone) == {"t1": "0:a"}
+    assert alone.consensus_fingerprint(1) is None
+    backed = CollaborationView.build([rec("c1", Role.CLIENT, "1:b"), rec("t2", Role.TRAINER, "1:b"),
+                                      rec("t1", Role.TRAINER, "0:a")])
+    assert backed.took(0, exclude="t1") and lineage.fingerprints(backed)["c1"] == "1:b"
+    # a trainer that publishes it while resyncing holds no state to serve yet
+    syncing = CollaborationView.build([rec("c1", Role.CLIENT, "1:b"), rec("t2", Role.TRAINER, "1:b", syncing=True)])
+    assert not syncing.votes(syncing.peers[0])
+    # with no trainer alive, the clients are the collaboration
+    clients = CollaborationView.build([rec("c1", Role.CLIENT, "1:x"), rec("c2", Role.CLIENT, "1:x")])
+    assert clients.consensus_fingerprint(1) == "1:x" and clients.took(0)
+    # the client stepped back: a trainer's history is not outvoted by an unbacked client's
+    forked = CollaborationView.build([rec("a-client", Role.CLIENT, "1:own"), rec("t1", Role.TRAINER, "1:t")])
+    assert not lineage.votes({1: "1:t"}, forked).outvoted(own="t1")
+    assert forked.consensus_fingerprint(1) == "1:t"
+
+
 def test_lineage_keeps_the_newest_steps_and_drops_a_rewritten_future():
     from dedloc.state import lineage
     ours = {}

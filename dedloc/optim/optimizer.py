@@ -60,6 +60,7 @@ from dedloc.logs import OncePerStep
 from dedloc.state import lineage
 from dedloc.optim.accumulator import GradientAccumulator
 from dedloc.optim.claims import ClaimBounds
+from dedloc.optim.hand_on import hand_on
 from dedloc.optim.scaling import CollaborativeScale
 from dedloc.peer import Peer
 from dedloc.records import CollaborationView, ProgressRecord, Role
@@ -259,17 +260,31 @@ class CollaborativeOptimizer:
         self._zero_grads()
 
     def close(self) -> None:
-        """Apply an update still in flight, then tell the others this peer left. Does not close the peer."""
+        """Apply an update still in flight; if this trainer holds a step no other peer that serves
+        its state holds yet, serve it until one does (``hand_on_timeout``, optim/hand_on.py); then
+        tell the others this peer left. A KeyboardInterrupt during that wait ends it, and is raised
+        again once the others were told. Does not close the peer."""
         if self._closed:
             return
         if self._inflight is not None:
             self._finish_inflight(resync=False)
         self._catchup = None  # the download, if any, finishes in the background and is ignored
+        interrupted = None
+        if self.peer.role == Role.TRAINER and self.config.hand_on_timeout > 0:
+            try:
+                hand_on(self, self.config.hand_on_timeout)
+            except KeyboardInterrupt as e:
+                logger.info(f"interrupted: leaving at step {self.applied_step} without handing it on")
+                interrupted = e
+            except Exception as e:
+                logger.debug(f"could not hand the state on: {e!r}")
         self._closed = True
         try:
             self.peer.leave()
         except Exception as e:
             logger.debug(f"could not announce leaving: {e!r}")
+        if interrupted is not None:
+            raise interrupted
 
     @property
     def view(self) -> CollaborationView | None:
@@ -699,8 +714,11 @@ class CollaborativeOptimizer:
         return (consensus is not None and consensus != self._fingerprint) or self._forked(view)
 
     def _forked(self, view: CollaborationView) -> bool:
+        """Whether the live peers outvote this peer's recent history (its own vote counts as theirs
+        do: a client's only while a trainer holds the same parameters, ``CollaborationView.votes``)."""
         me = self.peer.peer_id
-        return lineage.votes(self._lineage, view, exclude=me).outvoted(own=me)
+        own = me if view.votes(self._record(busy=False)) else None
+        return lineage.votes(self._lineage, view, exclude=me).outvoted(own=own)
 
     def _disagreement(self, view: CollaborationView) -> str:
         if self._forked(view):

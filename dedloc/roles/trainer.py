@@ -199,24 +199,9 @@ class Trainer:
     def hand_over(self, stop: threading.Event | None = None) -> bool:
         """Before a planned exit: serve this peer's state until a backbone holds its step (True), or
         until there is no backbone, ``handover_timeout`` passes or ``stop`` is set (False)."""
-        from dedloc.records import Role
+        from dedloc.optim.hand_on import hand_on
 
-        self.opt.offer_state()
-        step, timeout = self.opt.applied_step, self.config.handover_timeout
-        deadline = time.monotonic() + timeout
-        waiting = False
-        while True:
-            backbones = [r for r in self.opt.report().peers if r.role == Role.BACKBONE]  # they see our step
-            if any(r.step >= step for r in backbones):
-                return True
-            if not backbones or time.monotonic() >= deadline or (stop is not None and stop.is_set()):
-                if backbones:
-                    logger.warning(f"leaving at step {step} before a backbone checkpointed it")
-                return False
-            if not waiting:
-                logger.info(f"waiting up to {timeout:.0f} s for a backbone to checkpoint step {step} before leaving")
-                waiting = True
-            (stop or threading.Event()).wait(min(1.0, max(0.0, deadline - time.monotonic())))
+        return hand_on(self.opt, self.config.handover_timeout, stop, backbone=True)
 
     def summary(self, wall: float) -> dict[str, Any]:
         from dedloc.roles.report import loss_summary

@@ -6,7 +6,8 @@ can tell whether a state continues the steps that the collaboration already took
 them (a fork: e.g. a newcomer that trained alone from a stale checkpoint while the others were
 frozen or invisible).
 
-Votes: every live peer's published fingerprint ``"t:h"`` is a vote at step ``t``. Against a
+Votes: every live peer's published fingerprint ``"t:h"`` is a vote at step ``t`` (a client's only
+while a trainer publishes the same, or no trainer is alive: ``CollaborationView.votes``). Against a
 lineage it *agrees* if the lineage holds ``h`` at ``t``, *disagrees* if it holds another hash
 there, and says nothing if the lineage does not reach ``t`` (the peer is ahead, or too far
 behind). The side with more votes is the collaboration's history; a tie goes to the side
@@ -59,9 +60,10 @@ def votes(lineage: dict[int, str], view: CollaborationView, exclude: str = "") -
 
 
 def fingerprints(view: CollaborationView) -> dict[str, str]:
-    """Each live peer's published fingerprint (peer id -> ``"t:h"``): the votes, in a form that
-    travels to the runtime process (which checks a donor's lineage before its state's bytes)."""
-    return {r.peer_id: r.fingerprint for r in view.peers if r.fingerprint}
+    """Each live peer's published fingerprint that counts (``CollaborationView.votes``; peer id ->
+    ``"t:h"``): the votes, in a form that travels to the runtime process (which checks a donor's
+    lineage before its state's bytes)."""
+    return {r.peer_id: r.fingerprint for r in view.peers if view.votes(r)}
 
 
 def votes_of(lineage: dict[int, str], published: dict[str, str], exclude: str = "") -> Votes:
