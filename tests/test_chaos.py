@@ -14,7 +14,7 @@ import chaos  # noqa: E402
 
 @pytest.mark.timeout(400)
 @pytest.mark.alone  # it loads both cores (and its faults land elsewhere when another test slows it)
-def test_two_minutes_of_churn_end_with_the_peers_in_step_and_no_long_stall(tmp_path):
+def test_two_minutes_of_churn_lose_no_step_and_match_the_replay(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(BENCH_DIR, "chaos.py"), "--minutes", "2", "--seed", "3",
                           "--fault-every", "12", "--backbone-every", "50", "--workdir", str(tmp_path)],
                          capture_output=True, text=True, timeout=380)
@@ -27,12 +27,14 @@ def test_two_minutes_of_churn_end_with_the_peers_in_step_and_no_long_stall(tmp_p
                                                                           stall["from_s"], stall["to_s"]))
     assert sum(r["failures_injected"].values()) >= 6 and r["failures_injected"].get("backbone_kill9", 0) >= 1, where
     assert r["steps"] >= 20, where
-    # what holds today: nobody raises, every step is replayable, the peers end identical, nothing is
-    # left behind, no stall reaches a minute. Not yet: zero lost steps (a transient split of a step
-    # into two groups, healed by the lineage check, still counts) and an exact replay (parts of one
-    # round may average different contributor sets): both are reported in the JSON (issue 15)
+    # the issue's targets: no step lost (live peers never differ, nobody raises), every step replayable
+    # in one process within fp32 rounding (one contributor set per round: 2-4e-7 here on seeds 3-5,
+    # 1.1e-5 after 1153 steps of the 30-minute delayed soak), the peers end identical, nothing is
+    # left behind, no stall reaches a minute
     assert r["crashes"] == [], where
+    assert r["lost_steps"] == 0 and r["disagreed_steps"] == [], where
     assert r["replay_gap_at"] is None and r["replay_steps"] == r["steps"], where
-    assert r["final_step_agrees"], where
+    assert r["replay_max_diff"] < 1e-5, where
+    assert r["final_step_agrees"] and r["max_param_diff"] == 0.0, where
     assert r["orphans"] == {"processes": [], "sockets": []}, where
     assert r["longest_stall_s"] < 60, where
