@@ -16,6 +16,8 @@ from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import AveragingError, MatchmakingError, ProtocolError, RuntimeClosedError
 from dedloc.net.identity import create_identity
 from dedloc.net.node import Node
+from dedloc.net.tcp import RoundConnections
+from dedloc.net.transport import PeerSilent
 
 from conftest import bare_node
 
@@ -363,3 +365,41 @@ def test_a_peer_that_never_answers_the_hello_fails_the_open_in_bounded_time():
             await frozen.shutdown()
 
     assert asyncio.run(main()) < ACK_WAIT + 2
+
+
+def test_a_round_asks_a_member_that_never_answered_its_hello_nothing_more():
+    """A frozen member costs a round's member one hello wait, not one per stream: in the delayed soak a
+    frozen peer (a part's aggregator and another part's backup) cost members that wait on their pull of
+    its part and again on their failover to it, and the round ran past its deadline. The next round
+    asks it again (it may have woken)."""
+    proto = "dedloc.frozen.allreduce"
+
+    async def main():
+        frozen = await Node.create(PeerConfig(run_id="frozen"))
+        opener = await Node.create(PeerConfig(run_id="frozen", initial_peers=tuple(await frozen.visible_maddrs())))
+        stop, asked = asyncio.Event(), []
+
+        async def never_answers(info, reader, writer):  # a handler that is there, but does not run
+            asked.append(info)
+            await stop.wait()
+            writer.close()
+
+        await frozen.p2p.add_binary_stream_handler(proto, never_answers)
+        peer = frozen.peer_id.to_base58()
+        try:
+            first = RoundConnections(None, b"round-1", b"", {}, True, opener.streams, {})
+            with pytest.raises(PeerSilent, match="did not answer the hello"):
+                await first.open(peer, proto)
+            assert len(asked) == 1
+            with pytest.raises(PeerSilent, match="earlier in this round: not asked again"):
+                await first.open(peer, proto)
+            assert len(asked) == 1  # the frozen peer was not asked again
+            with pytest.raises(PeerSilent, match="did not answer the hello"):
+                await RoundConnections(None, b"round-2", b"", {}, True, opener.streams, {}).open(peer, proto)
+            assert len(asked) == 2
+        finally:
+            stop.set()
+            await opener.shutdown()
+            await frozen.shutdown()
+
+    asyncio.run(main())

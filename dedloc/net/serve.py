@@ -36,7 +36,7 @@ from dedloc.auth.authorizer import Authorizer, OpenRun
 from dedloc.errors import ProtocolError, Unauthorized
 from dedloc.logs import PerPeerWarnings
 from dedloc.net.limits import PeerLimits
-from dedloc.net.transport import Refused, Transport, serve_stream
+from dedloc.net.transport import PeerSilent, Refused, Transport, serve_stream
 from dedloc.net.rpc import connections, read_message, relayed, reply_last, write_message
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class Streams(Transport):
             raise ConnectionError(f"peer {peer_id} closed the stream on {name}") from None
         except asyncio.TimeoutError:  # a frozen peer (a stopped laptop): its daemon took the stream, it is silent
             writer.close()
-            raise ConnectionError(f"peer {peer_id} did not answer the hello on {name} within {ACK_WAIT:.0f} s") from None
+            raise PeerSilent(f"peer {peer_id} did not answer the hello on {name} within {ACK_WAIT:.0f} s") from None
         except BaseException:
             writer.close()
             raise

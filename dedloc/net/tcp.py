@@ -61,7 +61,7 @@ from dedloc.logs import PerPeerWarnings
 from dedloc.net.direct_stream import DirectProtocol
 from dedloc.net.limits import PeerLimits
 from dedloc.net.rpc import read_message, wait_peer_closed, write_message
-from dedloc.net.transport import Handler, Refused, StreamPair, Transport, serve_stream
+from dedloc.net.transport import Handler, PeerSilent, Refused, StreamPair, Transport, serve_stream
 
 logger = logging.getLogger(__name__)
 VERSION = 1
@@ -353,18 +353,36 @@ class DirectTCP:
 
 class RoundConnections(Transport):
     """One round's streams: direct where the group names the member's endpoint and a direct
-    connection works, else the ``fallback`` transport's (module doc). Counts both in ``counts``."""
+    connection works, else the ``fallback`` transport's (module doc). Counts both in ``counts``.
+
+    A member that took a stream but never answered its hello (PeerSilent: frozen, a sleeping laptop)
+    is asked nothing more in this round: ``open`` raises PeerSilent for it at once, so the round's
+    next fallback (a part's aggregator instead of its frozen backup) starts without another wait. In
+    the delayed soak one frozen peer, a part's aggregator and another part's backup, cost members
+    that wait on their pull of its part and again on their failover to it (steps 751 and 802: the
+    rounds, at a 20 s timeout, ran past their deadline and were lost by all). A later round asks the
+    member again."""
 
     def __init__(self, tcp: DirectTCP | None, round_id: bytes, key: bytes, endpoints: dict[str, str],
                  encryption: bool, fallback: Transport, counts: dict[str, int]):
         self.tcp, self.round_id, self.key, self.endpoints = tcp, round_id, key, endpoints
         self.encryption, self.fallback, self.counts = encryption, fallback, counts
+        self.silent: dict[str, str] = {}
+        """Members that did not answer a hello in this round, with the first failure's message."""
 
     async def open(self, peer_id: str, protocol: str) -> StreamPair:
+        why = self.silent.get(peer_id)
+        if why is not None:
+            raise PeerSilent(f"{why}, earlier in this round: not asked again")
         data = self.endpoints.get(peer_id, "")
         direct = self.tcp is not None and self.key and data and self.tcp.usable(peer_id)
-        return await open_with_fallback(peer_id, protocol, functools.partial(self._direct, peer_id, protocol, data)
-                                        if direct else None, self.fallback, self.counts)
+        try:
+            return await open_with_fallback(peer_id, protocol, functools.partial(self._direct, peer_id, protocol,
+                                                                                 data) if direct else None,
+                                            self.fallback, self.counts)
+        except PeerSilent as e:
+            self.silent.setdefault(peer_id, str(e))
+            raise
 
     async def _direct(self, peer_id: str, protocol: str, data: str) -> StreamPair:
         assert self.tcp is not None

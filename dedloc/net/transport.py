@@ -16,8 +16,9 @@ Every implementation serves an incoming stream through :func:`serve_stream` (adm
 close rule, the error ladder), so they cannot drift apart.
 
 Failure behaviour, for every implementation: ``open`` raises ConnectionError if the peer cannot be
-reached (or, for libp2p, Unauthorized / ProtocolError with the peer's reason if it refuses), and
-callers bound it with their own deadline.
+reached (PeerSilent if it took the stream but never answered its hello: a frozen peer), or, for
+libp2p, Unauthorized / ProtocolError with the peer's reason if it refuses; callers bound it with
+their own deadline.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ class Transport(ABC):
     @abstractmethod
     async def serve(self, protocol: str, handler: Handler) -> None:
         """Hand every incoming stream of ``protocol`` to ``handler``."""
+
+
+class PeerSilent(ConnectionError):
+    """The peer's side took the stream (its libp2p daemon, its kernel) but the peer never answered
+    the stream's hello in time: it is frozen (SIGSTOP, a sleeping laptop) or stalled. Each try costs
+    that wait, so a round asks such a member nothing more (RoundConnections)."""
 
 
 class Refused(Exception):
@@ -170,4 +177,4 @@ class _LocalTransport(Transport):
         self.pairs._handlers[(self.name, protocol)] = handler
 
 
-__all__ = ["Transport", "LocalPairs", "StreamPair", "Handler", "Refused", "serve_stream"]
+__all__ = ["Transport", "LocalPairs", "StreamPair", "Handler", "PeerSilent", "Refused", "serve_stream"]
