@@ -1,6 +1,7 @@
 """Failures with real peers: killed senders and aggregators, hostile members, a busy GIL."""
 
 import asyncio
+import contextlib
 import concurrent.futures as cf
 import math
 import threading
@@ -339,30 +340,40 @@ def test_no_single_claim_steers_the_mean(make_peers):
     assert "product with its weight exceeds 1e30" in stats[0]["excluded"][greedy.peer_id]
 
 
+@contextlib.asynccontextmanager
+async def _a_peer_that_never_answers(proto: str):
+    """A real peer whose daemon takes streams of ``proto`` while the peer never answers their hello
+    (as when its process is frozen), and a peer that opens them: yields ``(opener, peer id, asked)``,
+    ``asked`` growing by one per stream that reached the silent peer."""
+    frozen = await Node.create(PeerConfig(run_id="frozen"))
+    opener = await Node.create(PeerConfig(run_id="frozen", initial_peers=tuple(await frozen.visible_maddrs())))
+    stop, asked = asyncio.Event(), []
+
+    async def never_answers(info, reader, writer):  # a handler that is there, but does not run
+        asked.append(info)
+        await stop.wait()
+        writer.close()
+
+    await frozen.p2p.add_binary_stream_handler(proto, never_answers)
+    try:
+        yield opener, frozen.peer_id.to_base58(), asked
+    finally:
+        stop.set()
+        await opener.shutdown()
+        await frozen.shutdown()
+
+
 def test_a_peer_that_never_answers_the_hello_fails_the_open_in_bounded_time():
     """The daemon accepts a stream for a peer whose process is frozen (SIGSTOP): opening one must fail
     as a broken connection within ACK_WAIT, not wait until the peer wakes (the chaos soak's 70 s stall)."""
     from dedloc.net.serve import ACK_WAIT
 
     async def main():
-        frozen = await Node.create(PeerConfig(run_id="frozen"))
-        opener = await Node.create(PeerConfig(run_id="frozen", initial_peers=tuple(await frozen.visible_maddrs())))
-        stop = asyncio.Event()
-
-        async def never_answers(info, reader, writer):  # a handler that is there, but does not run
-            await stop.wait()
-            writer.close()
-
-        await frozen.p2p.add_binary_stream_handler("dedloc.frozen.join", never_answers)
-        try:
+        async with _a_peer_that_never_answers("dedloc.frozen.join") as (opener, peer, _):
             started = time.monotonic()
             with pytest.raises(ConnectionError, match="did not answer the hello"):
-                await opener.streams.open(frozen.peer_id, "dedloc.frozen.join")
+                await opener.streams.open(peer, "dedloc.frozen.join")
             return time.monotonic() - started
-        finally:
-            stop.set()
-            await opener.shutdown()
-            await frozen.shutdown()
 
     assert asyncio.run(main()) < ACK_WAIT + 2
 
@@ -375,18 +386,7 @@ def test_a_round_asks_a_member_that_never_answered_its_hello_nothing_more():
     proto = "dedloc.frozen.allreduce"
 
     async def main():
-        frozen = await Node.create(PeerConfig(run_id="frozen"))
-        opener = await Node.create(PeerConfig(run_id="frozen", initial_peers=tuple(await frozen.visible_maddrs())))
-        stop, asked = asyncio.Event(), []
-
-        async def never_answers(info, reader, writer):  # a handler that is there, but does not run
-            asked.append(info)
-            await stop.wait()
-            writer.close()
-
-        await frozen.p2p.add_binary_stream_handler(proto, never_answers)
-        peer = frozen.peer_id.to_base58()
-        try:
+        async with _a_peer_that_never_answers(proto) as (opener, peer, asked):
             first = RoundConnections(None, b"round-1", b"", {}, True, opener.streams, {})
             with pytest.raises(PeerSilent, match="did not answer the hello"):
                 await first.open(peer, proto)
@@ -397,9 +397,5 @@ def test_a_round_asks_a_member_that_never_answered_its_hello_nothing_more():
             with pytest.raises(PeerSilent, match="did not answer the hello"):
                 await RoundConnections(None, b"round-2", b"", {}, True, opener.streams, {}).open(peer, proto)
             assert len(asked) == 2
-        finally:
-            stop.set()
-            await opener.shutdown()
-            await frozen.shutdown()
 
     asyncio.run(main())
