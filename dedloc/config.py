@@ -244,6 +244,12 @@ class BackboneConfig:
     """Serve the run's dashboard on this port (``dedloc monitor``'s page; 0: any free port; -1: none)."""
     ledger: str = "ledger.json"
     """The contribution ledger's file, in checkpoint_dir (monitor/ledger.py); kept across restarts."""
+    memory: str = "run.json"
+    """What this backbone remembers of the run across restarts, in checkpoint_dir
+    (state/run_memory.py): the newest step it saw and its peers' addresses."""
+    refind_timeout: float = 120.0
+    """Seconds a restarted backbone whose checkpoint is older than the newest step it saw looks for
+    the run before it concludes the run ended (no trainer holds that step) and serves its checkpoint."""
 
     def validate(self) -> "BackboneConfig":
         _check(bool(self.checkpoint_dir), "checkpoint_dir", "must be a path")
@@ -251,6 +257,9 @@ class BackboneConfig:
         _check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
         _check(-1 <= self.dashboard_port < 65536, "dashboard_port", "must be -1 (none), 0 (any) or a port")
         _check(bool(self.ledger) and "/" not in self.ledger, "ledger", "must be a file name")
+        _check(bool(self.memory) and "/" not in self.memory and self.memory != self.ledger, "memory",
+               "must be a file name other than the ledger's")
+        _check(self.refind_timeout > 0, "refind_timeout", "must be > 0")
         return self
 
 

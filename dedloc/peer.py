@@ -190,6 +190,11 @@ class Peer:
         """Store ``value`` under this peer's subkey of record ``name`` (only ``ledger``)."""
         return self.runtime.call("publish_record", name, value, ttl)
 
+    def rejoin(self, maddrs: list[str], timeout: float = 5.0) -> list[str]:
+        """Connect to the peers at ``maddrs`` and add those that answer to this peer's DHT routing
+        table (a restarted backbone finding its run again); returns the peer ids that answered."""
+        return self.runtime.call("rejoin", list(maddrs), timeout, timeout=timeout + 10)
+
     def stream_counts(self) -> dict[str, int]:
         """How many streams outside rounds (state downloads, probes) this peer opened over direct
         connections (``direct``) and over libp2p (``libp2p``, the fallback)."""

@@ -14,6 +14,9 @@ import os
 import time
 from typing import Any
 
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
 from dedloc.averaging.averager import Averager
 from dedloc.averaging.bounds import WeightBounds
 from dedloc.averaging.round_core import RoundStats
@@ -41,7 +44,7 @@ class PeerService:
     PUBLIC = frozenset({"info", "publish_progress", "read_progress", "register_buffer", "average", "ping",
                         "closed_round", "round_deadline", "report", "offer_state", "download_state", "leave", "probe",
                         "capabilities", "reconfigure", "pending_numel", "connections", "stream_counts",
-                        "read_records", "publish_record"})
+                        "read_records", "publish_record", "rejoin"})
 
     def __init__(self, node: Node, averager: Averager, states: StateServer, planner: Planner,
                  peers: PeerConnections, metrics: PeerMetrics):
@@ -228,6 +231,33 @@ class PeerService:
         if name != "ledger":
             raise DedlocError(f"only the ledger record can be published this way, not {name!r}")
         return await self.node.store(self.node.key(name), self.node.peer_id.to_base58(), value, ttl)
+
+    async def rejoin(self, maddrs: list[str], timeout: float) -> list[str]:
+        """Connect to the peers at ``maddrs`` (full multiaddrs, several per peer allowed) and add
+        those that answer a DHT ping to the routing table: a restarted backbone finds its run again,
+        and so do the newcomers that bootstrap through it. Returns the peer ids that answered."""
+        by_peer: dict[str, list[Multiaddr]] = {}
+        for addr in maddrs:
+            try:
+                maddr = Multiaddr(addr)
+                peer = maddr["p2p"]
+            except Exception:
+                continue
+            if peer != self.node.peer_id.to_base58():
+                by_peer.setdefault(peer, []).append(maddr.decapsulate(Multiaddr(f"/p2p/{peer}")))
+
+        async def one(peer: str, addrs: list[Multiaddr]) -> str | None:
+            pid = PeerID.from_base58(peer)
+            try:
+                await asyncio.wait_for(self.node.p2p._client.connect(pid, addrs), timeout)  # hivemind 1.1.12
+                found = await asyncio.wait_for(self.node.dht.protocol.call_ping(pid), timeout)
+            except Exception as e:
+                logger.debug(f"could not reach {peer} at {[str(a) for a in addrs]}: {e!r}")
+                return None
+            return peer if found is not None else None
+
+        answered = await asyncio.gather(*(one(p, a) for p, a in by_peer.items()))
+        return [p for p in answered if p is not None]
 
     async def probe(self, peers: list[str] | None = None) -> dict[str, Any]:
         """Probe ``peers`` now (default: a few random ones) and publish the new estimates."""

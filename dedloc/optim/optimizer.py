@@ -227,9 +227,10 @@ class CollaborativeOptimizer:
             view = self._cached_view_if_far()
             if view is None:
                 view = self._report(busy=True)
-            if view.global_step > self.global_step + 1 or self._disagrees(view):
+            checkpointed = self._checkpointed_past(view)
+            if view.global_step > self.global_step + 1 or checkpointed or self._disagrees(view):
                 self._resync(view, f"the collaboration is at step {view.global_step}" if
-                             view.global_step > self.global_step + 1 else self._disagreement(view))
+                             view.global_step > self.global_step + 1 else checkpointed or self._disagreement(view))
                 return StepOutcome.RESYNCED
             if view.samples_at(self.global_step) < self.config.target_batch_size and \
                     view.global_step <= self.global_step:
@@ -493,6 +494,17 @@ class CollaborativeOptimizer:
         (a peer resyncing does not count: it takes no round before it holds a later state)."""
         me = self.peer.peer_id
         return any(r.peer_id != me for r in view.trainers_at(step))
+
+    def _checkpointed_past(self, view: CollaborationView) -> str:
+        """Why this peer's step is taken already, if a backbone holds a state past it ("" if none does).
+
+        A backbone checkpoints only states a trainer applied on the history the live peers hold, so its
+        step is a step the run took, even when the trainers that took it have left or are out of reach.
+        Without this rule a peer one step behind took that step again alone once its peers had left
+        (docs/optimizer.md, "Islands")."""
+        ahead = max((r.step for r in view.peers if r.role == Role.BACKBONE and r.step > self.global_step), default=None)
+        return "" if ahead is None else \
+            f"a backbone holds step {ahead}, so the run took step {self.global_step} already"
 
     def _would_lead_alone(self, view: CollaborationView) -> bool:
         """Whether to hold back this step's round (keeping the gradients) because this peer would take

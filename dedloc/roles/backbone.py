@@ -6,6 +6,15 @@ serves it to newcomers. Started with ``resume``, it loads its newest checkpoint 
 so a stopped collaboration continues from there. It never needs the model's code: states are
 opaque blobs to it. It keeps the contribution ledger (monitor/ledger.py) next to its checkpoints,
 and can serve the run's dashboard (``dashboard_port``).
+
+Restarts (docs/optimizer.md, "Islands"): it remembers the newest step the run's trainers held and
+the addresses of its peers (state/run_memory.py). Restarted, it reconnects to those peers; while
+its checkpoint is older than the newest step it saw, it publishes that step and serves no state,
+so a newcomer bootstrapping through it waits for the run instead of retaking steps from an old
+checkpoint. It serves its checkpoint again once a trainer holds that step (it then pulls the
+run's state as usual) or, after ``refind_timeout`` without one, once the run has shown it ended.
+A pulled state whose lineage the live peers outvote (a fork) is never checkpointed; one that
+rewrites the history of the checkpoint held (the live peers took the other history) is logged.
 """
 
 from __future__ import annotations
@@ -23,9 +32,13 @@ from dedloc.monitor.ledger import Ledger
 from dedloc.monitor.server import DashboardThread
 from dedloc.peer import Peer
 from dedloc.records import MAX_LEDGER_ROWS, CollaborationView, CreditRecord, LedgerRecord, ProgressRecord, Role
+from dedloc.state import lineage, snapshot
 from dedloc.state.checkpoint import CheckpointStore
+from dedloc.state.run_memory import RunMemory
 
 logger = logging.getLogger(__name__)
+PEERS_EVERY = 10.0
+"""Seconds between refreshes of the remembered peers' addresses (at once when a new peer shows up)."""
 
 
 class Backbone:
@@ -40,22 +53,42 @@ class Backbone:
         self.step = -1
         self.held_bytes: int | None = None
         """Size of the state this backbone holds and serves (None before its first)."""
+        self.history: dict[int, str] = {}
+        """The lineage of the checkpoint held (state/lineage.py)."""
         self.ledger_path = os.path.join(self.config.checkpoint_dir, self.config.ledger)
         try:
             self.ledger = Ledger.load(self.ledger_path)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        self.memory_path = os.path.join(self.config.checkpoint_dir, self.config.memory)
+        self.memory = RunMemory.load(self.memory_path) if self.config.resume else RunMemory()
+        self.refinding_since: float | None = None
+        """While not None: restarted behind the newest step it saw, it looks for the run (monotonic start)."""
+        self._peers_at = 0.0
         self.peer = Peer(peer_config, averaging)
         self.dashboard: DashboardThread | None = None
         try:
             if self.config.dashboard_port >= 0:
                 self.dashboard = DashboardThread(self.peer.read_records, peer_config.run_id,
                                                  MonitorConfig(port=self.config.dashboard_port))
+            blob = None
             if self.config.resume and (found := self.store.latest()) is not None:
                 self.step, blob = found
                 self.held_bytes = len(blob)
-                self.peer.offer_state(self.step, blob)
+                self.history = _history_of(blob)
+            if self.memory.live:
+                self.refinding_since = time.monotonic()
+                self.view = self._report()  # at once: the newest step it saw, before a newcomer reads
+                logger.info(f"restarted with the checkpoint of step {self.step} while the run was live at step "
+                            f"{self.memory.newest_step} or later: looking for the run before serving any state "
+                            f"({len(self.memory.peers)} remembered addresses)")
+            elif blob is not None:
+                self._offer(blob)
                 logger.info(f"resuming from checkpoint {self.store.path(self.step)} (step {self.step})")
+            if self.memory.peers:
+                answered = self.peer.rejoin(list(self.memory.peers))
+                logger.info(f"reconnected to {len(answered)} of the run's "
+                            f"{len({a.rsplit('/p2p/', 1)[1] for a in self.memory.peers})} remembered peers")
             self.view = self._report()
         except BaseException:
             self.close()
@@ -66,9 +99,64 @@ class Backbone:
         return self.peer.maddrs
 
     def _report(self) -> CollaborationView:
-        record = ProgressRecord(self.peer.peer_id, max(self.step, 0), 0, 0.0, Role.BACKBONE, 0.0, time.time())
+        """Publish this backbone's record (while it looks for its run: the newest step it saw, so that
+        nobody takes its older checkpoint for the run's state), read everyone's, and remember what
+        they show."""
+        step = max(self.step, self.memory.newest_step, 0) if self.refinding_since is not None else max(self.step, 0)
+        record = ProgressRecord(self.peer.peer_id, step, 0, 0.0, Role.BACKBONE, 0.0, time.time())
         view, _ = self.peer.report(record)
+        self._remember(view)
         return view
+
+    def _remember(self, view: CollaborationView) -> None:
+        """Take the newest fingerprint the trainers hold, and (every PEERS_EVERY s) the addresses of
+        the run's peers it is connected to, into the run memory; saved when it changed."""
+        memory = dataclasses.replace(self.memory, live=any(r.role.trains for r in view.peers))
+        for r in view.peers:
+            if r.role.trains and not r.syncing and view.votes(r):
+                memory = memory.saw(r.fingerprint)
+        remembered = {a.rsplit("/p2p/", 1)[1] for a in memory.peers}
+        if time.monotonic() - self._peers_at >= PEERS_EVERY or \
+                any(r.peer_id not in remembered and r.role != Role.CLIENT for r in view.peers if r.peer_id != self.peer.peer_id):
+            self._peers_at = time.monotonic()
+            try:
+                connections = {p: c["addrs"] for p, c in self.peer.connections().items()}
+            except DedlocError as e:
+                logger.debug(f"could not list the connections: {e}")
+                connections = {}
+            memory = memory.with_peers(connections, {r.peer_id for r in view.peers})
+        if memory != self.memory:
+            self.memory = memory
+            try:
+                memory.save(self.memory_path)
+            except OSError as e:
+                logger.warning(f"could not save the run memory {self.memory_path}: {e}")
+
+    def _refound(self, view: CollaborationView) -> bool:
+        """Whether this backbone may serve and pull states: it is not looking for its run, or a trainer
+        holds the newest step it saw (found), or none did for ``refind_timeout`` (the run ended there)."""
+        if self.refinding_since is None:
+            return True
+        newest = max(self.step, self.memory.newest_step)
+        holder = next((r for r in view.peers if r.role.trains and not r.syncing
+                       and (r.applied_step if r.applied_step is not None else r.step) >= newest), None)
+        if holder is not None:
+            logger.info(f"found the run again: {holder.peer_id} holds step "
+                        f"{holder.applied_step if holder.applied_step is not None else holder.step} "
+                        f"(this backbone saw step {newest} before it restarted)")
+        elif time.monotonic() - self.refinding_since >= self.config.refind_timeout:
+            logger.warning(f"no trainer of the run holds step {newest} after {self.config.refind_timeout:.0f} s: the "
+                           f"run ended there; serving the checkpoint of step {self.step}"
+                           + (f" (steps {self.step + 1}-{newest} are lost)" if newest > self.step else ""))
+            if self.held_bytes is not None:
+                self._offer(self.store.path(self.step).read_bytes())
+        else:
+            return False
+        self.refinding_since = None
+        return True
+
+    def _offer(self, blob: bytes) -> None:
+        self.peer.offer_state(self.step, blob, [f for _, f in sorted(self.history.items())])
 
     def _max_state_bytes(self) -> int | None:
         """A backbone has no model: it accepts states up to twice the one it holds plus 256 MiB
@@ -79,6 +167,8 @@ class Backbone:
         """Download and checkpoint the newest state if the collaboration moved past ours; True if it did."""
         view = self._report()
         self.view = view
+        if not self._refound(view):
+            return False
         target = view.global_step
         if target <= self.step:
             return False
@@ -86,14 +176,28 @@ class Backbone:
         if not donors:
             return False
         random.shuffle(donors)
+        votes = lineage.fingerprints(view)
         try:
-            step, blob, donor = self.peer.download_state(donors, target, 60.0, self._max_state_bytes())
+            step, blob, donor = self.peer.download_state(donors, target, 60.0, self._max_state_bytes(), votes)
+            history = _history_of(blob)
         except DedlocError as e:
             logger.warning(f"could not pull the state of step {target}: {e}")
             return False
+        if lineage.votes(history, view).outvoted(own=donor):  # its header may have hidden the fork
+            logger.warning(f"the state of step {step} from {donor} rewrites step "
+                           f"{lineage.first_conflict_of(history, votes)}, which the live peers took otherwise "
+                           f"(a fork): not checkpointed")
+            return False
+        rewritten = lineage.divergence(self.history, history)
+        if rewritten is not None:
+            logger.warning(f"the run's history changed: the checkpoint held (step {self.step}, "
+                           f"{self.history.get(max(self.history))}) took step {rewritten} as {self.history[rewritten]}, "
+                           f"the state of step {step} from {donor} as {history[rewritten]}, and the live peers "
+                           f"hold the latter ({len(lineage.votes(history, view).agree)} against "
+                           f"{len(lineage.votes(self.history, view).agree)}): following them")
         path = self.store.write(step, blob)
-        self.step, self.held_bytes = step, len(blob)
-        self.peer.offer_state(step, blob)
+        self.step, self.held_bytes, self.history = step, len(blob), history
+        self._offer(blob)
         self._report()
         logger.info(f"checkpoint of step {step} from {donor} written to {path} ({len(blob) / 1e6:.1f} MB)")
         return True
@@ -132,6 +236,23 @@ class Backbone:
             stop.wait(min(refresh, max(0.05, next_pull - time.monotonic())))
 
     def close(self) -> None:
+        """Stop serving; a last read of the run's progress first records in the run memory whether
+        trainers are still live (then a restart looks for them before serving its checkpoint)."""
         if self.dashboard is not None:
             self.dashboard.close()
+        if getattr(self, "peer", None) is None:
+            return
+        try:
+            self._report()
+        except Exception as e:
+            logger.debug(f"no last read of the run's progress: {e!r}")
         self.peer.close()
+
+
+def _history_of(blob: bytes) -> dict[int, str]:
+    """The lineage a state blob carries (empty if it has none); raises ProtocolError if the blob is
+    not a state."""
+    raw = snapshot.decode(blob).get("lineage")
+    if not isinstance(raw, dict):
+        return {}
+    return {k: v for k, v in raw.items() if isinstance(k, int) and isinstance(v, str) and lineage.parse(v)}

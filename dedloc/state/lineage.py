@@ -91,6 +91,12 @@ def from_list(entries: object) -> dict[int, str] | None:
     return out
 
 
+def divergence(a: dict[int, str], b: dict[int, str]) -> int | None:
+    """The earliest step that lineages ``a`` and ``b`` both reach with different fingerprints (None:
+    one continues the other, as far as both reach)."""
+    return min((t for t, f in a.items() if t in b and b[t] != f), default=None)
+
+
 def first_conflict(lineage: dict[int, str], view: CollaborationView) -> int | None:
     """The earliest step at which a live peer's fingerprint contradicts ``lineage``."""
     return first_conflict_of(lineage, fingerprints(view))
@@ -102,5 +108,5 @@ def first_conflict_of(lineage: dict[int, str], published: dict[str, str]) -> int
     return min(steps, default=None)
 
 
-__all__ = ["KEEP", "parse", "extend", "Votes", "votes", "votes_of", "fingerprints", "from_list", "first_conflict",
+__all__ = ["KEEP", "parse", "extend", "Votes", "votes", "votes_of", "fingerprints", "from_list", "divergence", "first_conflict",
            "first_conflict_of"]
