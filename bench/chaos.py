@@ -6,13 +6,20 @@
 
 Runs a backbone (checkpoints), an aggregator-only peer and ``--trainers`` trainers (trainer 0 in
 client mode) of bench/chaos_trainer.py on loopback, training a tiny MLP with target batch
-``--target``. On a schedule drawn from ``--seed``:
+``--target``. By default they are deployed as the README tells users (``--setup readme``): the
+backbone is the first peer, with a fixed address, its checkpoint directory and identity and no
+other option (so it checkpoints every 60 s), restarted with that same command line; every other
+peer's only initial peer is the backbone. ``--setup two-bootstraps`` is the older, kinder set-up:
+everyone also bootstraps from the aggregator, and the backbone checkpoints every 20 s and is
+restarted with the aggregator as its initial peer. On a schedule drawn from ``--seed``:
 - every ~``--fault-every`` s, a random running trainer is killed with kill -9 (restarted with the same
   identity 3-10 s later), stopped with SIGSTOP for 20-40 s (the training process alone, or the whole
   peer: its runtime and daemon too), or restarted cleanly (SIGTERM, then the same identity again);
   sometimes a never-seen peer joins with a fresh identity. At least two trainers keep running;
 - every ~``--backbone-every`` s, the backbone is killed with kill -9 and restarted from its
-  checkpoint directory on the same address.
+  checkpoint directory on the same address 2-5 s later; meanwhile one running trainer is killed and
+  restarted while the backbone is down (it waits to join), and right after the backbone is back a
+  never-seen peer joins through it (or, once ``--max-new`` have, a trainer restarts).
 
 Prints one JSON line: ``steps``, ``lost_steps`` (steps after which live peers' parameters
 differed, plus trainers that raised instead of recovering), ``skipped_steps`` (lost by every
@@ -20,7 +27,8 @@ member and skipped by all), ``longest_stall_s``, ``max_param_diff``, ``replay_ma
 single-process replay of the logged samples, with the same optimizer, against every step's
 parameters), ``rss_growth`` (largest relative growth of a long-lived process's RSS level after the run's
 and its own warm-up; ``rss_peak_growth``: of its highest sample; every sample goes to ``rss.jsonl``),
-``orphans`` (processes and socket files left) and ``failures_injected`` by kind.
+``orphans`` (processes and socket files left), ``applied_backwards`` (a trainer process whose applied
+step went down: it adopted another history) and ``failures_injected`` by kind.
 """
 
 from __future__ import annotations
@@ -135,6 +143,9 @@ class Soak:
         self.backbone: Proc | None = None
         self.aggregator: Proc | None = None
         self.backbone_restart_at: float | None = None
+        self.join_when_back = False
+        """A newcomer joins right after the backbone is back."""
+        self.aggregator_maddrs: list[str] = []
         self.sockets_before = set(glob.glob("/tmp/hivemind-*"))
         self.t0 = time.time()
 
@@ -165,16 +176,23 @@ class Soak:
                 return proc, line.split("--initial-peers", 1)[1].split()
         raise RuntimeError(f"the {role} did not start within 90 s")
 
-    def start_backbone(self, initial: list[str]) -> None:
-        extra = ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{self.port}", "--checkpoint-dir",
-                 os.path.join(self.dir, "ckpt"), "--checkpoint-interval", "20"]
-        if initial:
-            extra += ["--initial-peers", *initial]
+    def start_backbone(self) -> None:
+        """The backbone, as deployed: the same command line at every (re)start."""
+        extra = ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{self.port}", "--checkpoint-dir", os.path.join(self.dir, "ckpt")]
+        if self.args.setup == "two-bootstraps":
+            extra += ["--checkpoint-interval", "20"]
+            if self.aggregator is not None:
+                extra += ["--initial-peers", *self.aggregator_maddrs]
         self.backbone, self.backbone_maddrs = self._role("backbone", extra)
+
+    def bootstraps(self) -> list[str]:
+        """A peer's initial peers: the backbone's address, as the README says (and the aggregator's,
+        with ``--setup two-bootstraps``)."""
+        return self.backbone_maddrs + (self.aggregator_maddrs if self.args.setup == "two-bootstraps" else [])
 
     def start_trainer(self, t: Trainer) -> None:
         spec = {"index": t.index, "incarnation": t.incarnation, "run_id": self.run_id, "client": t.client,
-                "initial_peers": self.backbone_maddrs + self.aggregator_maddrs, "identity": t.identity,
+                "initial_peers": self.bootstraps(), "identity": t.identity,
                 "events": t.events, "target": self.args.target, "micro": self.args.micro,
                 "mb_seconds": self.args.mb_seconds * (1 + 0.5 * (t.index % 3)),
                 "delay_updates": self.args.delay_updates, "log_level": self.args.log_level}
@@ -278,12 +296,35 @@ class Soak:
         if self.backbone_restart_at is not None and now >= self.backbone_restart_at:
             self.backbone.popen.wait()
             try:
-                self.start_backbone(self.aggregator_maddrs)
+                self.start_backbone()
                 self.backbone_restart_at = None
                 self.note("restarted the backbone")
             except RuntimeError as e:  # e.g. its old daemon still holds the port: try again shortly
                 self.crashed.append(f"backbone restart failed: {e}")
                 self.backbone_restart_at = now + 5
+        if self.join_when_back and self.backbone_restart_at is None:
+            self.join_when_back = False
+            if len(self.trainers) < self.args.trainers + self.args.max_new:
+                self.new_trainer()
+                self.count("join_after_backbone", f"trainer{len(self.trainers) - 1}")
+            elif len(running := self.running()) > 2:
+                t = self.rng.choice(running)
+                t.proc.popen.terminate()
+                t.proc.terminating_since = now
+                self.count("restart_after_backbone", f"trainer{t.index}.{t.incarnation}")
+
+    def kill_backbone(self, now: float) -> None:
+        """kill -9 the backbone, restart it 2-5 s later; meanwhile a trainer is killed and restarted
+        (it waits for the backbone to join), and a newcomer joins once the backbone is back."""
+        self.backbone.popen.kill()
+        self.count("backbone_kill9", "backbone")
+        self.backbone_restart_at = now + self.rng.uniform(2, 5)
+        self.join_when_back = True
+        if len(running := self.running()) > 2:
+            t = self.rng.choice(running)
+            t.proc.popen.kill()
+            t.restart_at = now + self.rng.uniform(0.5, self.backbone_restart_at - now)
+            self.count("kill9_while_backbone_down", f"trainer{t.index}.{t.incarnation}")
 
     def sample_rss(self) -> None:
         procs = [self.aggregator, self.backbone] + [t.proc for t in self.trainers if t.proc is not None]
@@ -309,7 +350,7 @@ class Soak:
 
     def run(self) -> dict:
         args = self.args
-        self.start_backbone([])
+        self.start_backbone()
         self.aggregator, self.aggregator_maddrs = self._role("aggregator", ["--initial-peers", *self.backbone_maddrs,
                                                                             "--probe-interval", "0"])
         for i in range(args.trainers):
@@ -328,9 +369,7 @@ class Soak:
                     self.fault(now)
                     next_fault = now + self.rng.uniform(0.6, 1.4) * args.fault_every
                 if now >= next_backbone and self.backbone_restart_at is None:
-                    self.backbone.popen.kill()
-                    self.count("backbone_kill9", "backbone")
-                    self.backbone_restart_at = now + self.rng.uniform(2, 5)
+                    self.kill_backbone(now)
                     next_backbone = now + self.rng.uniform(0.8, 1.2) * args.backbone_every
                 if now >= next_rss:
                     self.sample_rss()
@@ -398,6 +437,13 @@ class Soak:
             if e["e"] == "applied":
                 params.setdefault(e["applied"], []).append((f"{e['trainer']}.{e['inc']}", e["params"]))
                 first_at.setdefault(e["applied"], e["t"])
+        backwards, last_applied = [], {}
+        for e in events:
+            if e["e"] == "applied":
+                who = f"{e['trainer']}.{e['inc']}"
+                if e["applied"] < last_applied.get(who, -1):
+                    backwards.append(f"trainer{who}: {last_applied[who]} -> {e['applied']}")
+                last_applied[who] = e["applied"]
         steps = max(params, default=0)
         disagreed, max_diff = [], 0.0
         canonical: dict[int, torch.Tensor] = {}
@@ -423,11 +469,11 @@ class Soak:
         growth, grew, peak, peaked = rss_growth(self.rss, self.rss_names, start, end, warm)
         # socket files left by a daemon that died unclean (live ones belong to others: a test run alongside)
         sockets = stale_sockets(set(glob.glob("/tmp/hivemind-*")) - self.sockets_before)
-        return {"minutes": round((end - start) / 60, 2), "interrupted": self.interrupted,
+        return {"minutes": round((end - start) / 60, 2), "interrupted": self.interrupted, "setup": self.args.setup,
                 "delay_updates": self.args.delay_updates, "seed": self.args.seed,
                 "trainers": len(self.trainers), "target": self.args.target, "steps": steps,
                 "lost_steps": len(disagreed) + len(crashes) + len(self.crashed), "disagreed_steps": disagreed[:50],
-                "final_step_agrees": steps not in disagreed,
+                "final_step_agrees": steps not in disagreed, "applied_backwards": backwards[:20],
                 "crashes": (crashes + self.crashed)[:20],
                 "skipped_steps": sorted({e["step"] for e in events if e["e"] == "round" and e["skipped"]}),
                 "longest_stall_s": round(stall_to - stall_from, 1),
@@ -523,6 +569,8 @@ def main() -> None:
     parser.add_argument("--trainers", type=int, default=5, help="trainers at the start (the first in client mode)")
     parser.add_argument("--max-new", type=int, default=3, help="how many never-seen peers may join")
     parser.add_argument("--delay-updates", action="store_true")
+    parser.add_argument("--setup", choices=("readme", "two-bootstraps"), default="readme",
+                        help="how the peers are deployed (see above)")
     parser.add_argument("--target", type=int, default=64)
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--mb-seconds", type=float, default=0.15, help="the fastest trainer's time per micro-batch")

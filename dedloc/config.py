@@ -76,6 +76,9 @@ class PeerConfig:
     publishes it to the run, re-reading it every 30 s. Usually given to the owner's backbone."""
     startup_timeout: float = 60.0
     """Seconds to wait for the background process, the daemon and the DHT bootstrap."""
+    join_timeout: float = 300.0
+    """Seconds to keep trying while none of the initial peers answers (a backbone rebooting): the
+    peer retries every JOIN_RETRY_S, saying so once, and raises JoinError after this (0: at once)."""
     progress_ttl: float = 30.0
     """Seconds a published progress record stays valid."""
     log_level: str = "INFO"
@@ -108,6 +111,7 @@ class PeerConfig:
             from dedloc.auth.invitation import owner_public_key
             owner_public_key(self.owner)
         _check(self.startup_timeout > 0, "startup_timeout", "must be > 0")
+        _check(self.join_timeout >= 0, "join_timeout", "must be >= 0")
         _check(self.progress_ttl > 0, "progress_ttl", "must be > 0")
         _check(self.metrics_port == -1 or 0 < self.metrics_port < 65535, "metrics_port",
                "must be -1 (none) or a port below 65535 (the daemon's metrics take the next one)")

@@ -18,6 +18,10 @@ class JoinError(DedlocError):
     """The peer could not start or could not reach any initial peer."""
 
 
+class BootstrapError(JoinError):
+    """None of the initial peers answered (they may be restarting: ``PeerConfig.join_timeout``)."""
+
+
 class ProtocolError(DedlocError):
     """A peer sent a malformed, hostile or incompatible message."""
 

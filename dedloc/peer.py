@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -22,9 +23,13 @@ import torch
 
 from dedloc.averaging.bounds import WeightBounds
 from dedloc.config import AveragingConfig, PeerConfig
-from dedloc.errors import AveragingError
+from dedloc.errors import AveragingError, BootstrapError
 from dedloc.net.runtime import Runtime, SharedBuffer
 from dedloc.records import CollaborationView, ProgressRecord, Role
+
+logger = logging.getLogger(__name__)
+JOIN_RETRY_S = 5.0
+"""Seconds between tries to join while none of the initial peers answers."""
 
 
 class Peer:
@@ -33,8 +38,7 @@ class Peer:
     def __init__(self, config: PeerConfig | None = None, averaging: AveragingConfig | None = None):
         self.config = (config or PeerConfig()).validate()
         self.averaging = (averaging or AveragingConfig()).validate()
-        self.runtime = Runtime("dedloc.service:create", (self.config, self.averaging),
-                               startup_timeout=self.config.startup_timeout, log_level=self.config.log_level)
+        self.runtime = self._start()
         self.peer_id: str = self.runtime.info["peer_id"]
         self.maddrs: list[str] = self.runtime.info["maddrs"]
         self.reachable: bool = self.runtime.info["reachable"]
@@ -44,6 +48,24 @@ class Peer:
         self._buffers: dict[str, SharedBuffer] = {}
         self._free: dict[int, list[str]] = {}
         """Shared buffers not in use, by size: each averaging call leases its own until finish()."""
+
+    def _start(self) -> Runtime:
+        """The background process, once it joined; while none of the initial peers answers (they may
+        be restarting), tried again every JOIN_RETRY_S for ``join_timeout`` (one INFO line)."""
+        deadline, said = time.monotonic() + self.config.join_timeout, False
+        while True:
+            try:
+                return Runtime("dedloc.service:create", (self.config, self.averaging),
+                               startup_timeout=self.config.startup_timeout, log_level=self.config.log_level)
+            except BootstrapError as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BootstrapError(f"{e} (kept trying for {self.config.join_timeout:.0f} s)") from None
+                if not said:
+                    said = True
+                    logger.info(f"none of the initial peers answers (they may be restarting): trying again every "
+                                f"{JOIN_RETRY_S:.0f} s for up to {self.config.join_timeout:.0f} s")
+                time.sleep(min(JOIN_RETRY_S, left))
 
     @property
     def role(self) -> Role:

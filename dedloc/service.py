@@ -14,9 +14,6 @@ import os
 import time
 from typing import Any
 
-from hivemind.p2p import PeerID
-from hivemind.utils.multiaddr import Multiaddr
-
 from dedloc.averaging.averager import Averager
 from dedloc.averaging.bounds import WeightBounds
 from dedloc.averaging.round_core import RoundStats
@@ -29,7 +26,7 @@ from dedloc.net.peer_connections import PeerConnections
 from dedloc.net.runtime import SharedBuffer
 from dedloc.net.tcp import DirectTCP
 from dedloc.planning.planner import Planner
-from dedloc.records import MAX_REPORTED_ROUNDS, CollaborationView, CreditRecord, ProgressRecord, RoundReport
+from dedloc.records import MAX_REPORTED_ROUNDS, CollaborationView, CreditRecord, ProgressRecord, Role, RoundReport
 from dedloc.state.transfer import StateServer
 
 logger = logging.getLogger(__name__)
@@ -233,31 +230,8 @@ class PeerService:
         return await self.node.store(self.node.key(name), self.node.peer_id.to_base58(), value, ttl)
 
     async def rejoin(self, maddrs: list[str], timeout: float) -> list[str]:
-        """Connect to the peers at ``maddrs`` (full multiaddrs, several per peer allowed) and add
-        those that answer a DHT ping to the routing table: a restarted backbone finds its run again,
-        and so do the newcomers that bootstrap through it. Returns the peer ids that answered."""
-        by_peer: dict[str, list[Multiaddr]] = {}
-        for addr in maddrs:
-            try:
-                maddr = Multiaddr(addr)
-                peer = maddr["p2p"]
-            except Exception:
-                continue
-            if peer != self.node.peer_id.to_base58():
-                by_peer.setdefault(peer, []).append(maddr.decapsulate(Multiaddr(f"/p2p/{peer}")))
-
-        async def one(peer: str, addrs: list[Multiaddr]) -> str | None:
-            pid = PeerID.from_base58(peer)
-            try:
-                await asyncio.wait_for(self.node.p2p._client.connect(pid, addrs), timeout)  # hivemind 1.1.12
-                found = await asyncio.wait_for(self.node.dht.protocol.call_ping(pid), timeout)
-            except Exception as e:
-                logger.debug(f"could not reach {peer} at {[str(a) for a in addrs]}: {e!r}")
-                return None
-            return peer if found is not None else None
-
-        answered = await asyncio.gather(*(one(p, a) for p, a in by_peer.items()))
-        return [p for p in answered if p is not None]
+        """Reconnect to the run's peers at ``maddrs`` (``Node.rejoin``); the peer ids that answered."""
+        return await self.node.rejoin(maddrs, timeout)
 
     async def probe(self, peers: list[str] | None = None) -> dict[str, Any]:
         """Probe ``peers`` now (default: a few random ones) and publish the new estimates."""
@@ -314,8 +288,10 @@ async def _read_progress(node: Node) -> list[ProgressRecord]:
     """Everyone's live progress records, less those published before their peer announced leaving
     (a peer restarted under the same identity is visible again from its first new record)."""
     entries, left = await asyncio.gather(node.get(node.key("progress")), node.get(node.key("left")))
-    return [r for p, (v, _) in entries.items()
-            if (r := ProgressRecord.from_wire(p, v)) is not None and not _left_after(left.get(p), r)]
+    records = [r for p, (v, _) in entries.items()
+               if (r := ProgressRecord.from_wire(p, v)) is not None and not _left_after(left.get(p), r)]
+    node.saw(r.peer_id for r in records if r.role != Role.CLIENT)  # DHT servers to stay in touch with
+    return records
 
 
 def _left_after(mark: tuple[Any, float] | None, record: ProgressRecord) -> bool:

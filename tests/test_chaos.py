@@ -1,4 +1,4 @@
-"""The chaos soak's 2-minute variant (bench/chaos.py): sustained churn, a backbone kill, and the checks."""
+"""The chaos soak's 2-minute variant (bench/chaos.py): sustained churn, backbone kills, and the checks."""
 
 import json
 import os
@@ -25,14 +25,19 @@ def test_two_minutes_of_churn_lose_no_step_and_match_the_replay(tmp_path):
     where = (f"(logs in {tmp_path}): {r}\nlogged during the longest stall (after step {stall['after_step']}, "
              f"{stall['from_s']}-{stall['to_s']} s):\n" + chaos.log_digest(str(tmp_path), r["started_at"],
                                                                           stall["from_s"], stall["to_s"]))
-    assert sum(r["failures_injected"].values()) >= 6 and r["failures_injected"].get("backbone_kill9", 0) >= 1, where
+    # deployed as the README says: one bootstrap, the backbone's, restarted with its own command line,
+    # with a trainer restarting while it is down and a peer joining through it right after
+    faults = r["failures_injected"]
+    assert r["setup"] == "readme" and sum(faults.values()) >= 6 and faults.get("backbone_kill9", 0) >= 1, where
+    assert faults.get("kill9_while_backbone_down", 0) >= 1, where
+    assert faults.get("join_after_backbone", 0) + faults.get("restart_after_backbone", 0) >= 1, where
     assert r["steps"] >= 20, where
     # the issue's targets: no step lost (live peers never differ, nobody raises), every step replayable
     # in one process within fp32 rounding (one contributor set per round: 2-4e-7 here on seeds 3-5,
     # 1.1e-5 after 1153 steps of the 30-minute delayed soak), the peers end identical, nothing is
     # left behind, no stall reaches a minute
     assert r["crashes"] == [], where
-    assert r["lost_steps"] == 0 and r["disagreed_steps"] == [], where
+    assert r["lost_steps"] == 0 and r["disagreed_steps"] == [] and r["applied_backwards"] == [], where
     assert r["replay_gap_at"] is None and r["replay_steps"] == r["steps"], where
     assert r["replay_max_diff"] < 1e-5, where
     assert r["final_step_agrees"] and r["max_param_diff"] == 0.0, where

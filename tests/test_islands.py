@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from dedloc.config import OptimizerConfig, PeerConfig
+from dedloc.errors import BootstrapError
 from dedloc.peer import Peer
+from dedloc.records import Role
 from dedloc.state import snapshot
 from dedloc.state.checkpoint import CheckpointStore
 from dedloc.state.run_memory import RunMemory
@@ -180,3 +182,35 @@ def test_a_newcomer_joining_through_a_backbone_restarted_behind_the_run_takes_no
     log = (tmp_path / "backbone.log").read_text()
     assert re.search(r"reconnected to \d+ of the run's 2 remembered peers", log), log[-3000:]
     assert re.search(r"restarted with the checkpoint of step \d+ while the run was live at step \d+ or later: looking for the run", log), log[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_peer_started_while_its_only_bootstrap_reboots_joins_once_it_is_back(tmp_path, caplog):
+    rid = run_id()
+    backbone = _Backbone(tmp_path, rid)
+    joined: list[Peer] = []
+    errors: list[BaseException] = []
+    try:
+        backbone.start()
+        backbone.kill9()
+
+        def join():
+            try:
+                joined.append(Peer(PeerConfig(run_id=rid, initial_peers=tuple(backbone.maddrs), join_timeout=120)))
+            except BaseException as e:  # surfaced below
+                errors.append(e)
+
+        with pytest.raises(BootstrapError, match="could not join"):
+            Peer(PeerConfig(run_id=rid, initial_peers=tuple(backbone.maddrs), join_timeout=0))
+        joiner = threading.Thread(target=join, daemon=True)
+        joiner.start()
+        _wait_for("the joiner to say it waits", lambda: "none of the initial peers answers" in caplog.text, 60)
+        assert joiner.is_alive() and not joined
+        backbone.start()
+        joiner.join(120)
+        assert not errors and joined, errors
+        assert any(r.role == Role.BACKBONE for r in joined[0].collaboration().peers)
+    finally:
+        for p in joined:
+            p.close()
+        backbone.close()

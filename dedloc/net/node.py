@@ -26,7 +26,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterable
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from hivemind.dht.node import DHTNode
@@ -37,10 +37,11 @@ from dedloc.auth.authorizer import make_authorizer
 from dedloc.auth.dht import DHTAccess
 from dedloc.auth.records import SignedRecords
 from dedloc.config import PeerConfig
-from dedloc.errors import JoinError
+from dedloc.errors import BootstrapError, JoinError
 from dedloc.net.identity import create_identity, load_identity, peer_id_of
 from dedloc.net.membership import Membership
 from dedloc.net.relay_guard import RelayGuard, keep_known
+from dedloc.net import rpc
 from dedloc.net.serve import Streams
 from dedloc.net.reachability import DialbackServer, Reachability, probe
 
@@ -56,6 +57,13 @@ exists (1 TiB and 24 h per relayed connection, 64 circuits per peer, 4 MiB buffe
 DHT_RPC_TIMEOUT = 3.0
 """Seconds a DHT request waits for one node (hivemind's default). A frozen peer (a stopped laptop)
 costs each reader and writer this per request that reaches it, until it is blacklisted."""
+TOUCH_EVERY = 10.0
+"""Seconds between looks for the run's peers that this peer's DHT lost (``Node.keep_in_touch``)."""
+TOUCH_TIMEOUT = 3.0
+"""Seconds one reconnection may take."""
+REMEMBER_S = 600.0
+"""How long a peer of the run is looked for after it was last seen publishing progress."""
+MAX_REMEMBERED = 256
 DHT_BLACKLIST_S = 30.0
 """A node that did not answer is left out of DHT searches this long (doubling while it stays
 silent): one frozen peer stalled everyone's progress reports for 15 s every 5 s with 5 s/5 s."""
@@ -148,6 +156,10 @@ class Node:
         self.relay_guard: RelayGuard | None = None
         self._tasks: list[asyncio.Task] = []
         """Background tasks this node owns (membership upkeep); ``shutdown()`` cancels them."""
+        self._members: dict[str, float] = {}
+        """The run's DHT servers seen publishing progress (peer id -> when, monotonic)."""
+        self._addrs: dict[str, list[str]] = {}
+        """Where this node was last connected to each of them (direct addresses)."""
 
     @classmethod
     async def create(cls, config: PeerConfig) -> "Node":
@@ -230,14 +242,17 @@ class Node:
             if isinstance(e, JoinError):
                 raise
             hint = f" {list(config.initial_peers)}" if config.initial_peers else ""
-            raise JoinError(f"could not join the collaboration through the initial peers{hint}: "
-                            f"{type(e).__name__}: {e}") from None
+            unreachable = config.initial_peers and any(
+                why in str(e) for why in ("failed to connect to bootstrap peers", "bootstrap failed"))
+            raise (BootstrapError if unreachable else JoinError)(
+                f"could not join the collaboration through the initial peers{hint}: {type(e).__name__}: {e}") from None
         finally:
             _launching.reset(launching)
             _extra_args.reset(extra)
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)  # the daemon has read its key
         node = cls(p2p, dht, config, reachability, streams)
+        node._tasks.append(asyncio.create_task(node.keep_in_touch(), name="dedloc-keep-in-touch"))
         if authorizer.invite_only:
             node.membership = Membership(authorizer, node.key("revoked"), peer_id, config.revocations, node.store, node.get)
             await node.membership.refresh()
@@ -249,6 +264,80 @@ class Node:
                 node._tasks.append(asyncio.create_task(
                     keep_known(dht.protocol.call_ping, [Multiaddr(a)["p2p"] for a in relays]), name="dedloc-keep-known"))
         return node
+
+    def saw(self, peers: Iterable[str]) -> None:
+        """``peers`` (the run's DHT servers) published progress now: stay in touch with them."""
+        now = time.monotonic()
+        for peer in peers:
+            self._members[peer] = now
+        if len(self._members) > MAX_REMEMBERED:
+            for peer in sorted(self._members, key=self._members.get)[:-MAX_REMEMBERED]:
+                del self._members[peer]
+
+    async def rejoin(self, maddrs: list[str], timeout: float) -> list[str]:
+        """Connect to the peers at ``maddrs`` (full multiaddrs, several per peer allowed) and put
+        those that answer a DHT ping back into the routing table (and off the DHT's blacklist): a
+        restarted backbone finds its run again, and the halves of a healed partition find each
+        other. Returns the peer ids that answered."""
+        by_peer: dict[str, list[Multiaddr]] = {}
+        for addr in maddrs:
+            try:
+                maddr = Multiaddr(addr)
+                peer = maddr["p2p"]
+            except Exception:
+                continue
+            if peer != self.peer_id.to_base58():
+                by_peer.setdefault(peer, []).append(maddr.decapsulate(Multiaddr(f"/p2p/{peer}")))
+
+        async def one(peer: str, addrs: list[Multiaddr]) -> str | None:
+            pid = PeerID.from_base58(peer)
+            try:
+                await asyncio.wait_for(self.p2p._client.connect(pid, addrs), timeout)  # hivemind 1.1.12 internals
+                found = await asyncio.wait_for(self.dht.protocol.call_ping(pid), timeout)
+            except Exception as e:
+                logger.debug(f"could not reach {peer} at {[str(a) for a in addrs]}: {e!r}")
+                return None
+            if found is None:
+                return None
+            if pid in self.dht.blacklist:
+                self.dht.blacklist.register_success(pid)
+            return peer
+
+        answered = await asyncio.gather(*(one(p, a) for p, a in by_peer.items()))
+        return [p for p in answered if p is not None]
+
+    async def keep_in_touch(self) -> None:
+        """Every TOUCH_EVERY s, reconnect to the initial peers and to the run's peers seen in the last
+        REMEMBER_S that this node's DHT lost (its routing table drops a peer that stops answering,
+        and nothing adds it back): without it, the two halves of a healed partition each kept their
+        own DHT, and their own history, for good."""
+        while True:
+            await asyncio.sleep(TOUCH_EVERY)
+            try:
+                answered = await self._touch()
+            except Exception as e:
+                logger.debug(f"could not look for lost peers: {e!r}")
+                continue
+            if answered:
+                logger.info(f"back in touch with {len(answered)} peer(s) of the run that this peer's DHT had lost: "
+                            + ", ".join(p[-8:] for p in answered))
+
+    async def _touch(self) -> list[str]:
+        now = time.monotonic()
+        self._members = {p: t for p, t in self._members.items() if now - t < REMEMBER_S}
+        for peer, addrs in (await rpc.connections(self.p2p)).items():
+            direct = [a for a in addrs if not rpc.relayed(a)]
+            if peer in self._members and direct:
+                self._addrs[peer] = direct[:4]
+        self._addrs = {p: a for p, a in self._addrs.items() if p in self._members}
+        table = self.dht.protocol.routing_table
+
+        def lost(peer: str) -> bool:
+            return PeerID.from_base58(peer) not in table and peer != self.peer_id.to_base58()
+
+        targets = [a for a in self.config.initial_peers if lost(Multiaddr(a)["p2p"])]
+        targets += [f"{a}/p2p/{p}" for p, addrs in self._addrs.items() if lost(p) for a in addrs]
+        return await self.rejoin(targets, TOUCH_TIMEOUT) if targets else []
 
     @property
     def reachable(self) -> bool:

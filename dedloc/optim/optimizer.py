@@ -813,13 +813,20 @@ class CollaborativeOptimizer:
         has not refused advertised the state (e.g. only client-mode peers hold it: they cannot send it).
 
         While it waits, the runtime keeps this peer's (emptied) progress record alive, so the others
-        still see it and a newcomer never mistakes an older checkpoint for the collaboration's state."""
+        still see it and a newcomer never mistakes an older checkpoint for the collaboration's state.
+
+        It first offers the state it holds (when complete: no update in flight), so that peers
+        stepping back to its history can download it meanwhile: after a partition healed, both
+        sides resynced toward each other and neither served the state it held (a deadlock)."""
+        if self._inflight is None and self._catchup is None:
+            self.offer_state()
         self._syncing = True
         try:
             downloaded = self._download_collaboration_state(view, reason)
         finally:
             self._syncing = False
         if downloaded:
+            self.offer_state()  # it serves what it now holds (not a fork it offered before)
             self._report(busy=False)
 
     def _download_collaboration_state(self, view: CollaborationView, reason: str) -> bool:

@@ -137,13 +137,13 @@ class Backbone:
         holds the newest step it saw (found), or none did for ``refind_timeout`` (the run ended there)."""
         if self.refinding_since is None:
             return True
-        newest = max(self.step, self.memory.newest_step)
+        newest = max(self.step, self.memory.newest_step)  # the memory takes in what it reads meanwhile
         holder = next((r for r in view.peers if r.role.trains and not r.syncing
                        and (r.applied_step if r.applied_step is not None else r.step) >= newest), None)
         if holder is not None:
-            logger.info(f"found the run again: {holder.peer_id} holds step "
-                        f"{holder.applied_step if holder.applied_step is not None else holder.step} "
-                        f"(this backbone saw step {newest} before it restarted)")
+            logger.info(f"found the run again after {time.monotonic() - self.refinding_since:.1f} s: "
+                        f"{holder.peer_id} holds step "
+                        f"{holder.applied_step if holder.applied_step is not None else holder.step}")
         elif time.monotonic() - self.refinding_since >= self.config.refind_timeout:
             logger.warning(f"no trainer of the run holds step {newest} after {self.config.refind_timeout:.0f} s: the "
                            f"run ended there; serving the checkpoint of step {self.step}"

@@ -104,9 +104,14 @@ class StateServer:
     async def offer(self, step: int, blob: bytes, history: list[str] | tuple[str, ...] = ()) -> None:
         """Serve ``blob``, the state of ``step``; ``history``: its lineage (state/lineage.py), sent in the
         header so that a requester can refuse a fork before its bytes."""
+        history = tuple(history)[-lineage.KEEP:]
         async with self._offered:
-            if self.cached is None or step >= self.cached.step:
-                self.cached = _Cached(step, blob, tuple(history)[-lineage.KEEP:])
+            # a newer state, or one of another history: this peer stepped back from a fork (the cached
+            # state of a higher step would be served, and refused by all, until it moved past that step)
+            if self.cached is None or step >= self.cached.step or \
+                    lineage.divergence(lineage.from_list(list(history)) or {},
+                                       lineage.from_list(list(self.cached.history)) or {}) is not None:
+                self.cached = _Cached(step, blob, history)
             self.wanted = False
             self._offered.notify_all()
 

@@ -123,6 +123,7 @@ class Network(Namespaces):
         super().__init__(prefix or f"dl{os.getpid() % 100000}")
         self.links = links
         self._subnet = 10 + os.getpid() % 200
+        self._split: set[int] = set()
         self._build_or_close()
 
     def ns(self, i: int) -> str:
@@ -158,3 +159,19 @@ class Network(Namespaces):
     def exec_args(self, i: int) -> list[str]:
         """Prefix for a command that must run inside peer ``i``'s namespace."""
         return ["ip", "netns", "exec", self.ns(i)]
+
+    def split(self, side: list[int]) -> None:
+        """Partition the network: the peers in ``side`` reach each other and no one else (their ports
+        move to a second bridge); ``heal()`` joins the halves again."""
+        sw = ["ip", "-n", self.switch]
+        if not self._split:
+            _run(*sw, "link", "add", "br1", "type", "bridge")
+            _run(*sw, "link", "set", "br1", "up")
+        for i in side:
+            _run(*sw, "link", "set", f"{self.prefix}b{i}", "master", "br1")
+            self._split.add(i)
+
+    def heal(self) -> None:
+        for i in sorted(self._split):
+            _run("ip", "-n", self.switch, "link", "set", f"{self.prefix}b{i}", "master", "br0")
+        self._split.clear()
