@@ -181,6 +181,8 @@ class CollaborativeOptimizer:
         """Inside ``_resync`` (published: such a peer takes no round before it holds a state)."""
         self._wanted = False
         """A peer asked for a newer state than ours; offered once this peer holds a complete one."""
+        self._offered: tuple[int, str] | None = None
+        """The state last offered (``_fingerprint_of_state``): a resync offers the one it holds unless it did."""
         self._sps, self._mb_time, self._latency = _Ema(), _Ema(), _Ema()
         self._claims = ClaimBounds(self.config.target_batch_size)
         """Bounds each peer's sample count and round weight by what it could have computed (claims.py)."""
@@ -248,6 +250,7 @@ class CollaborativeOptimizer:
         self._wanted = False
         self.peer.offer_state(self.applied_step, snapshot.encode(self.state_dict()),
                               [f for _, f in sorted(self._lineage.items())])
+        self._offered = self._fingerprint_of_state()
 
     def report(self) -> CollaborationView:
         """Publish this peer's progress now (step, samples, parameter hash) and read everyone's.
@@ -712,6 +715,10 @@ class CollaborativeOptimizer:
         horizon = FAR_MARGIN * (age + self._latency.value + 2 * self._mb_time.value) + 0.25
         return samples + speed * horizon < self.config.target_batch_size
 
+    def _fingerprint_of_state(self) -> tuple[int, str]:
+        """What identifies the state this peer holds (its applied step and parameters' fingerprint)."""
+        return self.applied_step, self._fingerprint
+
     def _hash(self) -> str:
         if not self.config.verify_sync:
             return ""
@@ -762,7 +769,7 @@ class CollaborativeOptimizer:
         own = self._state_fingerprint(state)
         if own is None:
             return  # it does not fit the model: loading it raises StateError by name
-        history = lineage.extend(_lineage_of(state), own)
+        history = lineage.extend(lineage.of_state(state), own)
         if lineage.votes(history, view).outvoted(own=donor):
             at = lineage.first_conflict(history, view)
             raise ForkError(f"its state of step {state['step']} rewrites step {at}, which the collaboration "
@@ -818,7 +825,7 @@ class CollaborativeOptimizer:
         It first offers the state it holds (when complete: no update in flight), so that peers
         stepping back to its history can download it meanwhile: after a partition healed, both
         sides resynced toward each other and neither served the state it held (a deadlock)."""
-        if self._inflight is None and self._catchup is None:
+        if self._inflight is None and self._catchup is None and self._offered != self._fingerprint_of_state():
             self.offer_state()
         self._syncing = True
         try:
@@ -826,7 +833,6 @@ class CollaborativeOptimizer:
         finally:
             self._syncing = False
         if downloaded:
-            self.offer_state()  # it serves what it now holds (not a fork it offered before)
             self._report(busy=False)
 
     def _download_collaboration_state(self, view: CollaborationView, reason: str) -> bool:
@@ -871,6 +877,9 @@ class CollaborativeOptimizer:
                 error = e
             else:
                 self.load_state_dict(state)  # a state that does not fit the model raises at once
+                # it serves what it now holds, not a state it offered before (a fork it stepped back from)
+                self.peer.offer_state(self.applied_step, blob, [f for _, f in sorted(self._lineage.items())])
+                self._offered = self._fingerprint_of_state()
                 break
             now = time.monotonic()
             no_donor_since = None if donors else (no_donor_since or now)
@@ -940,19 +949,12 @@ class CollaborativeOptimizer:
             self.scale.load_state_dict(state["scaler"])
         self.global_step = self.applied_step = int(state["step"])
         self._fingerprint = self._hash()
-        self._lineage = lineage.extend(_lineage_of(state), self._fingerprint)
+        self._lineage = lineage.extend(lineage.of_state(state), self._fingerprint)
 
     def _zero_grads(self) -> None:
         for p in self.params:
             p.grad = None
 
-
-def _lineage_of(state: dict[str, Any]) -> dict[int, str]:
-    """The history a state carries (empty if it has none or a malformed one)."""
-    raw = state.get("lineage")
-    if not isinstance(raw, dict):
-        return {}
-    return {k: v for k, v in raw.items() if isinstance(k, int) and isinstance(v, str) and lineage.parse(v)}
 
 
 __all__ = ["CollaborativeOptimizer", "StepOutcome", "RoundRecord"]

@@ -7,12 +7,13 @@ so a stopped collaboration continues from there. It never needs the model's code
 opaque blobs to it. It keeps the contribution ledger (monitor/ledger.py) next to its checkpoints,
 and can serve the run's dashboard (``dashboard_port``).
 
-Restarts (docs/optimizer.md, "Islands"): it remembers the newest step the run's trainers held and
-the addresses of its peers (state/run_memory.py). Restarted, it reconnects to those peers; while
-its checkpoint is older than the newest step it saw, it publishes that step and serves no state,
-so a newcomer bootstrapping through it waits for the run instead of retaking steps from an old
-checkpoint. It serves its checkpoint again once a trainer holds that step (it then pulls the
-run's state as usual) or, after ``refind_timeout`` without one, once the run has shown it ended.
+Restarts (docs/optimizer.md, "Islands and partitions"): it remembers the newest step the run's
+trainers held, whether they were live, and the addresses of its peers (state/run_memory.py).
+Restarted while they were live, it reconnects to those peers and, until a trainer holds its
+checkpoint's step or the newest it saw, publishes that step and serves no state, so a newcomer
+bootstrapping through it waits for the run instead of retaking steps from an old checkpoint. It
+looks every second; once found it pulls the run's state as usual, and after ``refind_timeout``
+without a trainer the run has shown it ended there, and it serves its checkpoint.
 A pulled state whose lineage the live peers outvote (a fork) is never checkpointed; one that
 rewrites the history of the checkpoint held (the live peers took the other history) is logged.
 """
@@ -37,6 +38,8 @@ from dedloc.state.checkpoint import CheckpointStore
 from dedloc.state.run_memory import RunMemory
 
 logger = logging.getLogger(__name__)
+LOOK_EVERY = 1.0
+"""Seconds between reads of the run's progress while a restarted backbone looks for its run."""
 PEERS_EVERY = 10.0
 """Seconds between refreshes of the remembered peers' addresses (at once when a new peer shows up)."""
 
@@ -63,7 +66,7 @@ class Backbone:
         self.memory_path = os.path.join(self.config.checkpoint_dir, self.config.memory)
         self.memory = RunMemory.load(self.memory_path) if self.config.resume else RunMemory()
         self.refinding_since: float | None = None
-        """While not None: restarted behind the newest step it saw, it looks for the run (monotonic start)."""
+        """While not None: restarted while its run was live, it looks for the run (since, monotonic)."""
         self._peers_at = 0.0
         self.peer = Peer(peer_config, averaging)
         self.dashboard: DashboardThread | None = None
@@ -75,7 +78,7 @@ class Backbone:
             if self.config.resume and (found := self.store.latest()) is not None:
                 self.step, blob = found
                 self.held_bytes = len(blob)
-                self.history = _history_of(blob)
+                self.history = lineage.of_state(snapshot.decode(blob))
             if self.memory.live:
                 self.refinding_since = time.monotonic()
                 self.view = self._report()  # at once: the newest step it saw, before a newcomer reads
@@ -179,7 +182,7 @@ class Backbone:
         votes = lineage.fingerprints(view)
         try:
             step, blob, donor = self.peer.download_state(donors, target, 60.0, self._max_state_bytes(), votes)
-            history = _history_of(blob)
+            history = lineage.of_state(snapshot.decode(blob))
         except DedlocError as e:
             logger.warning(f"could not pull the state of step {target}: {e}")
             return False
@@ -227,13 +230,16 @@ class Backbone:
         next_pull = time.monotonic()
         refresh = max(1.0, self.peer.config.progress_ttl / 3)
         while not stop.is_set():
-            if time.monotonic() >= next_pull:
+            looking = self.refinding_since is not None
+            if time.monotonic() >= next_pull or looking:  # it pulls at once when it finds the run
                 self.pull()
-                next_pull = time.monotonic() + self.config.checkpoint_interval
+                if not looking or self.refinding_since is None:
+                    next_pull = time.monotonic() + self.config.checkpoint_interval
             else:
                 self.view = self._report()
             self.account()
-            stop.wait(min(refresh, max(0.05, next_pull - time.monotonic())))
+            stop.wait(LOOK_EVERY if self.refinding_since is not None else
+                      min(refresh, max(0.05, next_pull - time.monotonic())))
 
     def close(self) -> None:
         """Stop serving; a last read of the run's progress first records in the run memory whether
@@ -248,11 +254,3 @@ class Backbone:
             logger.debug(f"no last read of the run's progress: {e!r}")
         self.peer.close()
 
-
-def _history_of(blob: bytes) -> dict[int, str]:
-    """The lineage a state blob carries (empty if it has none); raises ProtocolError if the blob is
-    not a state."""
-    raw = snapshot.decode(blob).get("lineage")
-    if not isinstance(raw, dict):
-        return {}
-    return {k: v for k, v in raw.items() if isinstance(k, int) and isinstance(v, str) and lineage.parse(v)}

@@ -77,6 +77,14 @@ def votes_of(lineage: dict[int, str], published: dict[str, str], exclude: str = 
     return Votes(tuple(agree), tuple(disagree))
 
 
+def of_state(state: dict) -> dict[int, str]:
+    """The lineage a decoded state carries under ``"lineage"`` (empty if it has none or a malformed one)."""
+    raw = state.get("lineage")
+    if not isinstance(raw, dict):
+        return {}
+    return {k: v for k, v in raw.items() if isinstance(k, int) and isinstance(v, str) and parse(v)}
+
+
 def from_list(entries: object) -> dict[int, str] | None:
     """A lineage sent as a list of ``"t:h"`` strings (a state header); None if malformed or longer
     than KEEP."""
@@ -108,5 +116,5 @@ def first_conflict_of(lineage: dict[int, str], published: dict[str, str]) -> int
     return min(steps, default=None)
 
 
-__all__ = ["KEEP", "parse", "extend", "Votes", "votes", "votes_of", "fingerprints", "from_list", "divergence", "first_conflict",
+__all__ = ["KEEP", "parse", "extend", "Votes", "votes", "votes_of", "fingerprints", "of_state", "from_list", "divergence", "first_conflict",
            "first_conflict_of"]
