@@ -103,3 +103,11 @@ def make_peers():
     while sessions_alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sessions_alive(pids) == [], "a runtime or p2p daemon outlived close()"
+
+
+def wait_for(what: str, cond, timeout: float, every: float = 0.1) -> None:
+    """Poll ``cond()`` every ``every`` s until it holds; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)

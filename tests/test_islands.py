@@ -12,16 +12,17 @@ import time
 import pytest
 import torch
 
-from dedloc.config import OptimizerConfig, PeerConfig
+from dedloc.config import BackboneConfig, OptimizerConfig, PeerConfig
 from dedloc.errors import BootstrapError
 from dedloc.peer import Peer
 from dedloc.records import Role
+from dedloc.roles.backbone import Backbone
 from dedloc.state import snapshot
 from dedloc.state.checkpoint import CheckpointStore
 from dedloc.state.run_memory import RunMemory
 from dedloc.testing.procs import session_pids, sessions_alive, spawn_cli
 
-from conftest import run_id
+from conftest import run_id, wait_for
 from test_optimizer import AVG, Trainer, join_all
 
 
@@ -102,13 +103,6 @@ def _freeze(peer: Peer, sig: int) -> None:
         os.kill(pid, sig)
 
 
-def _wait_for(what: str, cond, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 @pytest.mark.alone
 @pytest.mark.timeout(300)
 def test_a_newcomer_joining_through_a_backbone_restarted_behind_the_run_takes_none_of_its_steps_again(tmp_path):
@@ -132,7 +126,7 @@ def test_a_newcomer_joining_through_a_backbone_restarted_behind_the_run_takes_no
             t.start()
         # the backbone has a checkpoint, and remembers a newer step than it (it pulls every 2 s)
         # (a checkpoint past step 0: the backbone has seen the trainers since it started)
-        _wait_for("the run two steps past the backbone's checkpoint", lambda: store.steps() and store.steps()[0] >= 1
+        wait_for("the run two steps past the backbone's checkpoint", lambda: store.steps() and store.steps()[0] >= 1
                   and min(max(t.params, default=0) for t in trainers) >= store.steps()[0] + 2, 90)
         checkpoint = store.steps()[0]
         frozen = list(peers)  # the run's peers are out of reach while the backbone restarts
@@ -204,7 +198,7 @@ def test_a_peer_started_while_its_only_bootstrap_reboots_joins_once_it_is_back(t
             Peer(PeerConfig(run_id=rid, initial_peers=tuple(backbone.maddrs), join_timeout=0))
         joiner = threading.Thread(target=join, daemon=True)
         joiner.start()
-        _wait_for("the joiner to say it waits", lambda: "none of the initial peers answers" in caplog.text, 60)
+        wait_for("the joiner to say it waits", lambda: "none of the initial peers answers" in caplog.text, 60)
         assert joiner.is_alive() and not joined
         backbone.start()
         joiner.join(120)
@@ -214,3 +208,47 @@ def test_a_peer_started_while_its_only_bootstrap_reboots_joins_once_it_is_back(t
         for p in joined:
             p.close()
         backbone.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_one_step_behind_a_backbones_checkpoint_downloads_it_after_the_others_left(tmp_path):
+    """In the newcomer test's first version, the trainers took step 9 and left; the newcomer, still
+    at step 9 and alone, took it again: the run already had, and the backbone held its result."""
+    torch.set_num_threads(1)
+    rid = run_id()
+    backbone = Backbone(PeerConfig(run_id=rid), BackboneConfig(checkpoint_dir=str(tmp_path), checkpoint_interval=0.3),
+                        AVG)
+    stop, release = threading.Event(), threading.Event()
+    pulling = threading.Thread(target=backbone.run, args=(stop,), daemon=True)
+    pulling.start()
+    peers: list[Peer] = []
+    held_at = 3
+
+    def hold(opt):  # B stops before its first micro-batch of step 3, until A has left
+        if opt.global_step == held_at:
+            release.wait(120)
+
+    try:
+        peers = [Peer(PeerConfig(run_id=rid, initial_peers=tuple(backbone.maddrs)), AVG) for _ in range(2)]
+        cfg = OptimizerConfig(target_batch_size=48)
+        a = Trainer(0, peers[0], cfg, micro=6, delay=0.02, steps=held_at + 1)
+        b = Trainer(1, peers[1], cfg, micro=6, delay=0.02, steps=held_at + 3, gate=hold)
+        a.start()
+        b.start()
+        join_all([a], timeout=120)  # A took step 3 alone and left; its hand-on waited for the backbone
+        wait_for("the backbone to hold step 4", lambda: backbone.step >= held_at + 1, 30)
+        # past the deadline of A's round, its closed record closes step 3 no more (A left: nobody who
+        # holds the update publishes it; averaging.md rule 11): only the backbone's step says it was taken
+        wait_for("the deadline of A's round of step 3", lambda: time.time() > (peers[1].round_deadline(held_at) or 0), 90,
+                 every=0.5)
+        release.set()
+        join_all([b], timeout=120)
+    finally:
+        release.set()
+        stop.set()
+        pulling.join(30)
+        for p in peers:
+            p.close()
+        backbone.close()
+    assert torch.equal(b.params[held_at + 1], a.params[held_at + 1]), "B took step 3 again, alone"
+    assert b.opt.resyncs >= 1  # the step it was behind

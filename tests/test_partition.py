@@ -19,7 +19,7 @@ from dedloc.state.checkpoint import CheckpointStore
 from dedloc.testing import netem
 from dedloc.testing.procs import cli_command, sessions_alive
 
-from conftest import run_id
+from conftest import run_id, wait_for
 
 ok, why = netem.available()
 pytestmark = [pytest.mark.skipif(not ok, reason=why), pytest.mark.xdist_group("network"), pytest.mark.netns]
@@ -44,13 +44,6 @@ def _events(path: str) -> list[dict]:
 def _applied(path: str) -> dict[int, torch.Tensor]:
     """A trainer's newest parameters at each applied step."""
     return {e["applied"]: torch.tensor(e["params"]) for e in _events(path) if e["e"] == "applied"}
-
-
-def _wait_for(what: str, cond, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 @pytest.mark.alone
@@ -86,15 +79,15 @@ def test_a_partition_keeps_the_larger_sides_history_and_heals_into_one(tmp_path)
             logs.append(log)
             procs.append(subprocess.Popen(net.exec_args(i) + [sys.executable, TRAINER, json.dumps(spec)],
                                           stdout=log, stderr=log, start_new_session=True))
-        _wait_for("every trainer to take 3 steps", lambda: all(max(_applied(events[i]), default=0) >= 3
-                                                              for i in events), 180)
+        wait_for("every trainer to take 3 steps", lambda: all(max(_applied(events[i]), default=0) >= 3
+                                                              for i in events), 180, every=0.5)
         net.split(smaller)
         split_at = max(max(_applied(events[i])) for i in events)
-        _wait_for("the larger side to go on", lambda: max(_applied(events[larger[0]])) >= split_at + 3, 60)
+        wait_for("the larger side to go on", lambda: max(_applied(events[larger[0]])) >= split_at + 3, 60, every=0.5)
         time.sleep(max(0.0, SPLIT_S - 10))  # the scenario: most of a minute apart
         net.heal()
         healed_at = max(max(_applied(events[i])) for i in events)
-        _wait_for("one history on every trainer after the heal", lambda: _one_history(events, healed_at + 3), 180)
+        wait_for("one history on every trainer after the heal", lambda: _one_history(events, healed_at + 3), 180, every=0.5)
     finally:
         for p in procs[1:] + procs[:1]:
             if p.poll() is None:

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from dedloc.errors import ConfigError, Unauthorized
+from dedloc.files import write_atomically
 from dedloc.net.identity import raw_public, write_private
 
 MAX_TOKEN = 1024
@@ -193,7 +194,4 @@ class RunOwner:
 
     def _write_revocations(self, revoked: dict[str, float], serial: int) -> None:
         text = _sign(self.key, _REVOKE, _REVOKED_PREFIX, {"r": self.run_id, "s": serial, "p": revoked})
-        path = os.path.join(self.directory, "revoked")
-        with open(path + ".tmp", "w") as f:
-            f.write(text + "\n")
-        os.replace(path + ".tmp", path)
+        write_atomically(os.path.join(self.directory, "revoked"), text + "\n")

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from dedloc.errors import DataError
+from dedloc.files import write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,5 @@ class DataPosition:
         self.samples += samples
 
     def save(self) -> None:
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"key": self.key, "samples": self.samples, "positions": self.positions}, f)
-        os.replace(tmp, self.path)
+        write_atomically(self.path, json.dumps({"key": self.key, "samples": self.samples,
+                                                "positions": self.positions}))

@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from dedloc.files import write_atomically
 from dedloc.records import CreditRecord
 
 COLUMNS = ["peer", "samples", "rounds", "last_step"]
@@ -86,10 +87,7 @@ class Ledger:
 
     def save(self, path: str) -> None:
         """Write to ``path`` atomically (a crash leaves the old file or the new one)."""
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_json(), f)
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps(self.to_json()))
 
     @classmethod
     def load(cls, path: str) -> "Ledger":

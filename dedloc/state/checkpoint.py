@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
 from pathlib import Path
 
 from dedloc.errors import ProtocolError
+from dedloc.files import write_atomically
 from dedloc.state import snapshot
 
 logger = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ class CheckpointStore:
         self.dir = Path(directory)
         self.keep = keep
         self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.glob(".state-*.tmp"):  # left by a crash mid-write
+        for stale in self.dir.glob(".state-*.tmp"):  # left by a crash mid-write (files.write_atomically)
             stale.unlink(missing_ok=True)
 
     def steps(self) -> list[int]:
@@ -37,21 +37,7 @@ class CheckpointStore:
 
     def write(self, step: int, blob: bytes) -> Path:
         final = self.path(step)
-        fd, tmp = tempfile.mkstemp(prefix=".state-", suffix=".tmp", dir=self.dir)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        dir_fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomically(final, blob)
         for old in self.steps()[self.keep:]:
             self.path(old).unlink(missing_ok=True)
         return final

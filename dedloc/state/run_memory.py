@@ -23,10 +23,10 @@ import dataclasses
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from dedloc.files import write_atomically
 from dedloc.records import parse_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -109,17 +109,7 @@ class RunMemory:
         return cls(newest, tuple(peers[:MAX_PEERS * MAX_ADDRS]), live)
 
     def save(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(path, self.to_json())
 
 
 __all__ = ["RunMemory", "MAX_PEERS"]
