@@ -246,8 +246,6 @@ class Backbone:
         trainers are still live (then a restart looks for them before serving its checkpoint)."""
         if self.dashboard is not None:
             self.dashboard.close()
-        if getattr(self, "peer", None) is None:
-            return
         try:
             self._report()
         except Exception as e:
