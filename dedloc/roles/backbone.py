@@ -91,7 +91,7 @@ class Backbone:
             if self.memory.peers:
                 answered = self.peer.rejoin(list(self.memory.peers))
                 logger.info(f"reconnected to {len(answered)} of the run's "
-                            f"{len({a.rsplit('/p2p/', 1)[1] for a in self.memory.peers})} remembered peers")
+                            f"{len(self.memory.peer_ids)} remembered peers")
             self.view = self._report()
         except BaseException:
             self.close()
@@ -118,7 +118,7 @@ class Backbone:
         for r in view.peers:
             if r.role.trains and not r.syncing and view.votes(r):
                 memory = memory.saw(r.fingerprint)
-        remembered = {a.rsplit("/p2p/", 1)[1] for a in memory.peers}
+        remembered = memory.peer_ids
         if time.monotonic() - self._peers_at >= PEERS_EVERY or \
                 any(r.peer_id not in remembered and r.role != Role.CLIENT for r in view.peers if r.peer_id != self.peer.peer_id):
             self._peers_at = time.monotonic()

@@ -52,6 +52,11 @@ class RunMemory:
         parsed = parse_fingerprint(self.newest)
         return -1 if parsed is None else parsed[0]
 
+    @property
+    def peer_ids(self) -> set[str]:
+        """The peers whose addresses are remembered."""
+        return {_peer_of(a) for a in self.peers}
+
     def saw(self, fingerprint: str) -> "RunMemory":
         """This memory with ``fingerprint`` as the newest if it is further than the one held."""
         parsed = parse_fingerprint(fingerprint)
@@ -70,11 +75,11 @@ class RunMemory:
             fresh += [a if a.endswith(f"/p2p/{peer}") else f"{a}/p2p/{peer}" for a in addrs]
         if not fresh:
             return self
-        fresh_ids = {a.rsplit("/p2p/", 1)[1] for a in fresh}
-        older = [a for a in self.peers if a.rsplit("/p2p/", 1)[1] not in fresh_ids]
+        fresh_ids = {_peer_of(a) for a in fresh}
+        older = [a for a in self.peers if _peer_of(a) not in fresh_ids]
         kept, ids = [], []
         for a in fresh + older:
-            peer = a.rsplit("/p2p/", 1)[1]
+            peer = _peer_of(a)
             if peer not in ids:
                 if len(ids) == MAX_PEERS:
                     break
@@ -110,6 +115,11 @@ class RunMemory:
 
     def save(self, path: str | os.PathLike) -> None:
         write_atomically(path, self.to_json())
+
+
+def _peer_of(maddr: str) -> str:
+    """The peer id a full multiaddr ends with (``.../p2p/<peer id>``)."""
+    return maddr.rsplit("/p2p/", 1)[1]
 
 
 __all__ = ["RunMemory", "MAX_PEERS"]
