@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     invite.add_argument("peer_id", help="the volunteer's peer id (`dedloc identity` prints it)")
     invite.add_argument("--run", required=True, help="the run directory `dedloc run init` made")
     invite.add_argument("--expires", default="7d", help="how long it is valid: 90s, 30m, 12h, 7d, 2w (default 7d)")
+    invite.add_argument("--backbone", action="store_true",
+                        help="let this peer act as the run's backbone (its checkpoints count as the run's step)")
     revoke = sub.add_parser("revoke", help="owner: void a peer's invitations (written to RUN/revoked)")
     revoke.add_argument("peer_id")
     revoke.add_argument("--run", required=True, help="the run directory `dedloc run init` made")
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "run":
                 print(membership.run_init(args.dir, args.run_id))
             elif args.command == "invite":
-                print(membership.invite(args.run, args.peer_id, args.expires))
+                print(membership.invite(args.run, args.peer_id, args.expires, args.backbone))
             elif args.command == "revoke":
                 print(membership.revoke(args.run, args.peer_id))
             else:

@@ -112,7 +112,7 @@ class PeerConfig:
             owner_public_key(self.owner)
         _check(self.startup_timeout > 0, "startup_timeout", "must be > 0")
         _check(self.join_timeout >= 0, "join_timeout", "must be >= 0")
-        _check(self.progress_ttl > 0, "progress_ttl", "must be > 0")
+        _check(0 < self.progress_ttl <= 1800, "progress_ttl", "must be > 0 and at most 1800 (records live at most 1 h)")
         _check(self.metrics_port == -1 or 0 < self.metrics_port < 65535, "metrics_port",
                "must be -1 (none) or a port below 65535 (the daemon's metrics take the next one)")
         _check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",

@@ -112,8 +112,8 @@ class Peer:
         ``history``: its lineage (``"t:h"`` per step, state/lineage.py), sent ahead of the bytes."""
         self.runtime.call("offer_state", step, blob, list(history or ()))
 
-    def download_state(self, donors: list[str], min_step: int, timeout: float,
-                       max_bytes: int | None = None, votes: dict[str, str] | None = None) -> tuple[int, bytes, str]:
+    def download_state(self, donors: list[str], min_step: int, timeout: float, max_bytes: int | None = None,
+                       votes: dict[str, str] | None = None, max_step: int | None = None) -> tuple[int, bytes, str]:
         """Download a state at step >= ``min_step`` from the first of ``donors`` that has one.
 
         Returns (step, blob, donor); raises StateError naming each donor's failure. A donor that
@@ -121,16 +121,18 @@ class Peer:
         byte of the state is read: size it from what this peer expects (its own model). So is a
         donor whose announced lineage the live peers' fingerprints ``votes`` outvote (a fork;
         state/lineage.py): when no donor succeeded and some were forks, it raises ForkError with
-        those donors in ``peers``. The blob itself must still be checked against its own fingerprint.
+        those donors in ``peers``. So is a donor announcing a step above ``max_step`` (the run's
+        attested step, ``CollaborationView.global_step``, plus the one a catch-up may be behind).
+        The blob itself must still be checked against its own fingerprint.
         """
-        return self.download_state_async(donors, min_step, timeout, max_bytes, votes).result(timeout + 30)
+        return self.download_state_async(donors, min_step, timeout, max_bytes, votes, max_step).result(timeout + 30)
 
-    def download_state_async(self, donors: list[str], min_step: int, timeout: float,
-                             max_bytes: int | None = None,
-                             votes: dict[str, str] | None = None) -> "cf.Future[tuple[int, bytes, str]]":
+    def download_state_async(self, donors: list[str], min_step: int, timeout: float, max_bytes: int | None = None,
+                             votes: dict[str, str] | None = None,
+                             max_step: int | None = None) -> "cf.Future[tuple[int, bytes, str]]":
         """:meth:`download_state` without waiting: a future of its result (errors as there)."""
         return self.runtime.call_async("download_state", list(donors), min_step, timeout, max_bytes,
-                                       dict(votes) if votes else None)
+                                       dict(votes) if votes else None, max_step)
 
     # ---- averaging ------------------------------------------------------------------------------------
     def _lease(self, numel: int) -> str:

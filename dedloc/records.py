@@ -7,6 +7,7 @@ never raised into the training loop.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import math
 import time
@@ -112,6 +113,14 @@ class ProgressRecord:
         return rec
 
 
+ATTEST = 2
+"""Peers that must vouch for a step before the collaboration is at it (fewer if fewer are alive):
+no single member's claim moves the run (docs/security.md, "What a member can do")."""
+HISTORY = 64
+"""Steps of history a state carries (state/lineage.py), and steps past its checkpoint a backbone
+vouches for."""
+
+
 @dataclass(frozen=True)
 class CollaborationView:
     """One consistent reading of all live progress records."""
@@ -123,19 +132,34 @@ class CollaborationView:
     def build(cls, records: Iterable[ProgressRecord], now: float | None = None) -> "CollaborationView":
         return cls(tuple(sorted(records, key=lambda r: r.peer_id)), time.time() if now is None else now)
 
-    @property
+    @functools.cached_property
     def global_step(self) -> int:
-        """The newest step a peer that can send its state is at: the step the collaboration can hand on.
+        """The newest step the collaboration *attests*: the newest step that ``ATTEST`` attesters
+        (all of them, if fewer) vouch for and a trainer can hand on, or that a backbone holds. A
+        training peer vouches for the steps up to its own; a backbone for the ``HISTORY`` steps past
+        its checkpoint (it pulls well before the run gets that far: a lone trainer stays the run).
+        One member's record is its own claim: a member publishing step +1000 alone moves nothing,
+        beside other trainers or beside a backbone (in an invite-only run the backbone role is
+        itself checked against the member's invitation before its record gets here, service.py).
 
-        Reachable trainers and backbones serve their state; a client-mode peer cannot (it accepts
-        no streams). So while a reachable trainer is alive, a client ahead of every reachable peer
-        (e.g. one that moved on alone after a round failed for it) does not move the step: counting
-        it sent every resync chasing a step no donor held. With no reachable trainer alive, the
-        clients are the collaboration and count too. Aggregator-only peers hold no state (their
-        records name the next round they will serve) and never count."""
-        if any(r.role == Role.TRAINER for r in self.peers):
-            return max(r.step for r in self.peers if r.role.serves)
-        return max((r.step for r in self.peers if r.role != Role.AGGREGATOR), default=0)
+        Reachable trainers serve their state; a client-mode peer cannot (it accepts no streams). So
+        while a trainer is alive, a step that only clients reached (e.g. one that moved on alone
+        after a round failed for it) is not the run's: counting it sent every resync chasing a step
+        no donor held. With no trainer alive, the clients are the collaboration. Aggregator-only
+        peers hold no state and never count; peers downloading a state (``syncing``) count only
+        when all of them are."""
+        backbones = [r.step for r in self.peers if r.role == Role.BACKBONE]
+        holders = [r for r in self.peers if r.role.trains]
+        settled = [r for r in holders if not r.syncing] or holders
+        servers = [r.step for r in settled if r.role == Role.TRAINER]
+        steps = sorted((r.step for r in settled), reverse=True)
+        quorum = min(ATTEST, len(steps) + len(backbones))
+        for reached, step in enumerate(steps, start=1):  # ``reached`` holders are at ``step`` or past it
+            if servers and step > max(servers):
+                continue
+            if reached + sum(step < b + HISTORY for b in backbones) >= quorum:
+                return max([step, *backbones])
+        return max(backbones, default=0)
 
     @property
     def current(self) -> tuple[ProgressRecord, ...]:
@@ -179,7 +203,14 @@ class CollaborationView:
         collaboration): a state that only clients hold can be downloaded from nobody. In a CI soak a
         trainer took a step with a client and left at once; the client's copy made that step taken
         for the other trainer, which could neither take it again nor download it, while the client
-        waited for a trainer to reach its step: neither moved again."""
+        waited for a trainer to reach its step: neither moved again.
+
+        Nor does a fingerprint past the step the run attests (``global_step``, plus the one a round
+        that just ended may be ahead): a member publishing step +1000 made every step before it
+        "taken" (``took``) for a lone honest trainer, which then waited for a state nobody could
+        serve."""
+        if (applied := record.applied_step) is not None and applied > self.global_step + 1:
+            return False
         if record.role != Role.CLIENT or not record.fingerprint:
             return bool(record.fingerprint)
         trainers = [r for r in self.peers if r.role == Role.TRAINER]

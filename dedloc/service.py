@@ -19,6 +19,7 @@ from dedloc.averaging.bounds import WeightBounds
 from dedloc.averaging.round_core import RoundStats
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import ConfigError, DedlocError
+from dedloc.logs import PerPeerWarnings
 from dedloc.monitor.peer_metrics import PeerMetrics
 from dedloc.net import rpc
 from dedloc.net.node import Node
@@ -30,6 +31,7 @@ from dedloc.records import MAX_REPORTED_ROUNDS, CollaborationView, CreditRecord,
 from dedloc.state.transfer import StateServer
 
 logger = logging.getLogger(__name__)
+_warnings = PerPeerWarnings(logger)
 DRAIN_TIMEOUT = 10.0
 ROUNDS_TTL = 600.0
 CREDITS_TTL = 3600.0
@@ -140,15 +142,15 @@ class PeerService:
     async def offer_state(self, step: int, blob: bytes, history: list[str] | None = None) -> None:
         await self.states.offer(step, blob, history or ())
 
-    async def download_state(self, donors: list[str], min_step: int, timeout: float,
-                             max_bytes: int | None = None, votes: dict[str, str] | None = None) -> tuple[int, bytes, str]:
+    async def download_state(self, donors: list[str], min_step: int, timeout: float, max_bytes: int | None = None,
+                             votes: dict[str, str] | None = None, max_step: int | None = None) -> tuple[int, bytes, str]:
         """Download a state (see StateServer.download). Meanwhile the last progress record is
         republished before it expires: a peer blocked in a download stays visible to the others
         (were its record to expire, a newcomer could take an older checkpoint for the collaboration's
         state and fork from it)."""
         keepalive = asyncio.create_task(self._keep_visible())
         try:
-            found = await self.states.download(donors, min_step, timeout, max_bytes, votes)
+            found = await self.states.download(donors, min_step, timeout, max_bytes, votes, max_step)
             self.metrics.state_downloads.inc()
             return found
         finally:
@@ -286,12 +288,26 @@ class PeerService:
 
 async def _read_progress(node: Node) -> list[ProgressRecord]:
     """Everyone's live progress records, less those published before their peer announced leaving
-    (a peer restarted under the same identity is visible again from its first new record)."""
+    (a peer restarted under the same identity is visible again from its first new record), and
+    less the backbone records of members the run does not let act as one (``_counted``)."""
     entries, left = await asyncio.gather(node.get(node.key("progress")), node.get(node.key("left")))
     records = [r for p, (v, _) in entries.items()
-               if (r := ProgressRecord.from_wire(p, v)) is not None and not _left_after(left.get(p), r)]
+               if (r := ProgressRecord.from_wire(p, v)) is not None and not _left_after(left.get(p), r)
+               and _counted(node, r)]
     node.saw(r.peer_id for r in records if r.role != Role.CLIENT)  # DHT servers to stay in touch with
     return records
+
+
+def _counted(node: Node, record: ProgressRecord) -> bool:
+    """Whether ``record`` may count: a backbone's checkpoint step moves the run's step
+    (records.py ``global_step``), so in an invite-only run it is read only from a member whose
+    invitation lets it be one (auth/authorizer.py ``may_be_backbone``)."""
+    if record.role != Role.BACKBONE or record.peer_id == node.peer_id.to_base58() \
+            or node.authorizer.may_be_backbone(record.peer_id):
+        return True
+    _warnings.warn(record.peer_id, f"peer {record.peer_id} publishes a backbone's record (step {record.step}), but its "
+                                   f"invitation does not let it act as one (`dedloc invite --backbone`): not counted")
+    return False
 
 
 def _left_after(mark: tuple[Any, float] | None, record: ProgressRecord) -> bool:

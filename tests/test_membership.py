@@ -32,10 +32,11 @@ from dedloc.net.serve import Streams
 AVG = AveragingConfig(matchmaking_time=2, averaging_timeout=30, probe_interval=0)
 
 
-def member(owner: RunOwner, tmp_path, name: str, expires: float = 3600.0, **kwargs) -> PeerConfig:
+def member(owner: RunOwner, tmp_path, name: str, expires: float = 3600.0, backbone: bool = False,
+           **kwargs) -> PeerConfig:
     path = str(tmp_path / f"{name}.key")
     peer_id = create_identity(path)
-    return PeerConfig(run_id=owner.run_id, owner=owner.public, invite=owner.invite(peer_id, expires),
+    return PeerConfig(run_id=owner.run_id, owner=owner.public, invite=owner.invite(peer_id, expires, backbone),
                       identity_path=path, **kwargs)
 
 

@@ -15,7 +15,7 @@ from dedloc.config import AveragingConfig, PeerConfig, from_dict
 from dedloc.errors import AveragingError, ConfigError, ProtocolError
 from dedloc.planning.estimate import RateEstimate
 from dedloc.planning.probe import concurrent_rate
-from dedloc.records import CapabilityRecord, CollaborationView, ProgressRecord, Role
+from dedloc.records import CapabilityRecord, CollaborationView, ProgressRecord, Role, HISTORY
 
 RID = bytes(range(16))
 
@@ -157,13 +157,44 @@ def test_records_view_and_validation():
     ahead = CollaborationView.build(recs + [ProgressRecord("e", 9, 8, 5.0, Role.CLIENT, 0, now)], now)
     assert ahead.global_step == 3 and ahead.samples == 160
     # ...unless no reachable trainer is alive (then clients and backbones count, aggregators never)
-    alone = CollaborationView.build([r for r in ahead.peers if r.role != Role.TRAINER], now)
+    alone = CollaborationView.build([r for r in ahead.peers if r.role != Role.TRAINER and r.peer_id != "b"], now)
     assert alone.global_step == 9
+    # still, one claim is not the run's step: two of the clients must have reached it
+    assert CollaborationView.build([r for r in ahead.peers if r.role != Role.TRAINER], now).global_step == 3
     assert ProgressRecord.from_wire("a", recs[0].to_wire()) == recs[0]
     for bad in ({"step": -1, "samples": 0, "samples_per_second": 0, "role": "trainer"},
                 {"step": 1, "samples": 0, "samples_per_second": float("nan"), "role": "trainer"},
                 {"step": 1, "samples": 0, "samples_per_second": 1, "role": "king"}, "junk", None):
         assert ProgressRecord.from_wire("x", bad) is None
+
+
+def test_one_members_far_step_is_not_the_runs():
+    """At b122246 a member publishing step +1000 made it the global step: every peer downloaded its
+    weights. The run's step is one that two training peers reached (records.py ``attested``)."""
+    now = 1000.0
+
+    def view(*recs):
+        return CollaborationView.build(recs, now)
+
+    t1, t2 = ProgressRecord("t1", 51, 0, 1.0, Role.TRAINER), ProgressRecord("t2", 51, 0, 1.0, Role.TRAINER)
+    backbone = ProgressRecord("bb", 40, 0, 0.0, Role.BACKBONE)
+    for far in (ProgressRecord("m", 1051, 0, 1.0, Role.TRAINER), ProgressRecord("m", 1051, 0, 1.0, Role.CLIENT),
+                ProgressRecord("m", 1051, 0, 1.0, Role.TRAINER, syncing=True)):
+        assert view(t1, t2, backbone, far).global_step == 51
+        assert view(t1, backbone, far).global_step == 51  # one honest trainer beside it is enough
+    assert view(t1, backbone).global_step == 51  # a lone trainer is the run
+    assert view(t1, ProgressRecord("t2", 52, 0, 1.0, Role.TRAINER)).global_step == 51  # until a second follows
+    assert view(ProgressRecord("t1", 52, 0, 1.0, Role.TRAINER), ProgressRecord("c", 52, 0, 1.0, Role.CLIENT),
+                t2).global_step == 52  # a client that took the step with a trainer attests it
+    assert view(t1, t2, ProgressRecord("bb", 60, 0, 0.0, Role.BACKBONE)).global_step == 60  # a backbone's checkpoint
+    # beside a backbone, a lone member's far step is not the run's: the backbone vouches for HISTORY steps
+    alone = ProgressRecord("m", 1051, 0, 1.0, Role.TRAINER)
+    assert view(alone, backbone).global_step == 40 and view(alone).global_step == 1051
+    assert view(ProgressRecord("t1", 40 + HISTORY - 1, 0, 1.0, Role.TRAINER), backbone).global_step == 40 + HISTORY - 1
+    # nor does its fingerprint vote: every step before it looked taken to a lone honest trainer
+    far = ProgressRecord("m", 1051, 0, 1.0, Role.TRAINER, fingerprint="1051:ee")
+    beside = view(ProgressRecord("t1", 8, 0, 1.0, Role.TRAINER, fingerprint="8:aa"), far, backbone)
+    assert not beside.votes(far) and not beside.took(8, exclude="t1") and beside.consensus_fingerprint(1051) is None
 
 
 def test_config_errors_name_the_field():
@@ -279,8 +310,8 @@ def test_buffer_pool_reuses_and_bounds_idle_memory():
 # ---- lineage: which history the collaboration took ---------------------------------------------------------
 def _view(*fps):
     from dedloc.records import CollaborationView, ProgressRecord, Role
-    return CollaborationView.build([ProgressRecord(f"peer{i}", 0, 0, 0.0, Role.TRAINER, fingerprint=fp)
-                                    for i, fp in enumerate(fps)], now=0.0)
+    return CollaborationView.build([ProgressRecord(f"peer{i}", int(fp.partition(":")[0] or 0), 0, 0.0, Role.TRAINER,
+                                                   fingerprint=fp) for i, fp in enumerate(fps)], now=0.0)
 
 
 def test_lineage_votes_count_only_steps_the_lineage_holds():

@@ -50,6 +50,16 @@ class Authorizer(ABC):
         Open runs: every peer."""
         return True
 
+    def backbone_invited(self) -> bool:
+        """Whether this peer's own invitation lets it act as a backbone (open runs: True)."""
+        return True
+
+    def may_be_backbone(self, peer_id: str) -> bool:
+        """Whether ``peer_id``'s published checkpoint step may count as the run's: in an invite-only
+        run only a proven member whose invitation says so (`dedloc invite --backbone`); in an open
+        run every peer (anyone may be anyone there)."""
+        return True
+
     def update_revocations(self, text: str) -> bool:
         """Apply a revocation list (ignored if older than the one held); True if it was newer."""
         return False
@@ -188,6 +198,8 @@ class InviteOnly(Authorizer):
             self._proven.pop(next(iter(self._proven)))
 
     def proven(self, peer_id: str) -> bool:
+        if peer_id == self.peer_id:
+            return True
         credential = self._proven.get(peer_id)
         if credential is None:
             return False
@@ -197,6 +209,12 @@ class InviteOnly(Authorizer):
             self._proven.pop(peer_id, None)
             return False
         return True
+
+    def backbone_invited(self) -> bool:
+        return self._own_inv.backbone
+
+    def may_be_backbone(self, peer_id: str) -> bool:
+        return self.proven(peer_id) and self._verified[self._proven[peer_id]].backbone
 
     def update_revocations(self, text: str) -> bool:
         rev = Revocations.verify(text, self.owner, self.run_id)

@@ -88,6 +88,10 @@ class Invitation:
     peer_id: str
     issued: float
     expires: float
+    backbone: bool = False
+    """The owner lets this peer act as a backbone: the checkpoint step it publishes counts as the
+    run's (records.py ``CollaborationView.global_step``). A member without it that claims the role
+    is not counted (service.py)."""
 
     @staticmethod
     def is_token(text: str) -> bool:
@@ -100,7 +104,8 @@ class Invitation:
         another run, or expired."""
         p = _open(token, owner, _INVITE, _PREFIX, MAX_TOKEN, "the invitation")
         try:
-            inv = cls(run_id=str(p["r"]), peer_id=str(p["p"]), issued=float(p["i"]), expires=float(p["e"]))
+            inv = cls(run_id=str(p["r"]), peer_id=str(p["p"]), issued=float(p["i"]), expires=float(p["e"]),
+                      backbone=p.get("b", False) is True)
         except (KeyError, TypeError, ValueError):
             raise Unauthorized("the invitation holds malformed data") from None
         if inv.run_id != run_id:
@@ -178,9 +183,11 @@ class RunOwner:
             raise ConfigError(f"{directory}/owner.key is not an Ed25519 key")
         return cls(directory, run_id, key)
 
-    def invite(self, peer_id: str, expires_in: float) -> str:
+    def invite(self, peer_id: str, expires_in: float, backbone: bool = False) -> str:
+        """An invitation for ``peer_id``; ``backbone``: it may also act as the run's backbone."""
         now = time.time()
-        return _sign(self.key, _INVITE, _PREFIX, {"r": self.run_id, "p": peer_id, "i": now, "e": now + expires_in})
+        return _sign(self.key, _INVITE, _PREFIX, {"r": self.run_id, "p": peer_id, "i": now, "e": now + expires_in,
+                                                  **({"b": True} if backbone else {})})
 
     def revocations(self) -> Revocations:
         with open(os.path.join(self.directory, "revoked")) as f:

@@ -9,7 +9,9 @@ peer asks to store it or returns it to a search:
 - the value carries that peer's signature over (key, subkey, value, expiration time), so nobody
   can write, overwrite, or extend the life of another peer's record;
 - in an invite-only run the value also carries the writer's invitation, which the authorizer
-  checks: records written by an uninvited identity are refused too.
+  checks: records written by an uninvited identity are refused too;
+- it expires within ``MAX_LIFE`` seconds: a member cannot plant a record that outlives its
+  revocation (readers also skip records of peers no longer admitted, net/node.py ``get``).
 
 A refused record is dropped (its store fails, or a search skips it) and logged with the subkey and,
 for a store request, the peer that sent it (at most once per peer per minute at WARNING).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import struct
+import time
 
 import msgpack
 from cryptography.exceptions import InvalidSignature
@@ -33,6 +36,8 @@ from dedloc.net.identity import public_key_of
 
 logger = logging.getLogger(__name__)
 _DOMAIN = b"dedloc record v1\x00"
+MAX_LIFE = 3600.0
+"""The longest a record may live (the longest dedloc stores: a leave mark, 2 x ``progress_ttl``)."""
 sender: contextvars.ContextVar[str | None] = contextvars.ContextVar("dedloc_dht_sender", default=None)
 """The peer whose DHT request is being served (set by auth/dht.py), for naming a forger in logs."""
 _warnings = PerPeerWarnings(logger)
@@ -76,6 +81,9 @@ class SignedRecords(RecordValidatorBase):
             subkey = None
         if not isinstance(subkey, str):
             raise Unauthorized("its subkey is not a peer id (every record belongs to the peer named by its subkey)")
+        if record.expiration_time > time.time() + MAX_LIFE:
+            raise Unauthorized(f"the record under {subkey} would live {record.expiration_time - time.time():.0f} s, more "
+                               f"than the {MAX_LIFE:.0f} s any record may")
         try:
             public = public_key_of(subkey)
         except ValueError as e:

@@ -108,8 +108,9 @@ def _inviter(workdir: Path, run_id: str):
 
     def invite(path: Path) -> dict[str, Any]:
         peer_id = identity(str(path))
-        return {"owner": owner.public, "invite": owner.invite(peer_id, 86400.0), "identity_path": str(path),
-                "revocations": str(workdir / "run" / "revoked") if path.name == "backbone.key" else ""}
+        backbone = path.name == "backbone.key"
+        return {"owner": owner.public, "invite": owner.invite(peer_id, 86400.0, backbone), "identity_path": str(path),
+                "revocations": str(workdir / "run" / "revoked") if backbone else ""}
 
     return invite
 

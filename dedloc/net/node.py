@@ -370,7 +370,8 @@ class Node:
         return await self.dht.store(key, value, time.time() + ttl, subkey=subkey)
 
     async def get(self, key: str) -> dict[str, tuple[Any, float]]:
-        """All unexpired (subkey -> (value, expiration)) entries under ``key``; {} if none."""
+        """All unexpired (subkey -> (value, expiration)) entries under ``key`` written by peers that are
+        members now (a revocation voids the records a peer stored before it); {} if none."""
         found = await self.dht.get(key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return {}
@@ -381,6 +382,9 @@ class Node:
             except AttributeError:
                 continue
             if isinstance(subkey, str) and expiration >= now:
+                if not self.authorizer.proven(subkey):  # e.g. revoked since its record was stored
+                    logger.debug(f"skipped the record of {subkey} under {key}: not a member now")
+                    continue
                 out[subkey] = (value, expiration)
         return out
 

@@ -73,6 +73,10 @@ class ClaimBounds:
         for r in view.peers:
             if r.role.trains:
                 self._latest[r.peer_id] = r.samples_per_second
+                if r.step > step + 1:
+                    self._warnings.warn(f"{r.peer_id} step", f"peer {r.peer_id} publishes step {r.step}, past step "
+                                                             f"{step} that the run attests: its claim alone moves "
+                                                             f"nothing (records.py ``global_step``)")
             bound = self.bound(r.step, r.peer_id, r.samples_per_second, view, now) if r.role.trains else 0.0
             if r.samples > bound:
                 self._warnings.warn(r.peer_id, f"peer {r.peer_id} claims {r.samples} samples toward step {r.step}, "

@@ -137,6 +137,13 @@ class _Ema:
         return self.value
 
 
+def _ceiling(view: CollaborationView, wanted: int) -> int:
+    """The newest step a download for ``wanted`` accepts: one past the step the run attests
+    (``CollaborationView.global_step``; a catch-up is one step behind a round that just ended), so
+    a member publishing a far step of its own serves it to nobody."""
+    return max(view.global_step, wanted) + 1
+
+
 class CollaborativeOptimizer:
     """Wraps any ``torch.optim`` optimizer (and its scheduler) for a collaboration; see module docs."""
 
@@ -365,7 +372,8 @@ class CollaborativeOptimizer:
         logger.info(f"{reason}; catching up: downloading the state of step >= {step} in the background, "
                     f"still accumulating for step {self.global_step}")
         self._catchup = _CatchUp(step, self.peer.download_state_async(donors, step, self.config.state_timeout,
-                                                                      self._max_state_bytes, self._votes(view)),
+                                                                      self._max_state_bytes, self._votes(view),
+                                                                      _ceiling(view, step)),
                                  time.monotonic(), {r.peer_id: r.time for r in view.peers})
         self.catchups += 1
 
@@ -409,7 +417,7 @@ class CollaborativeOptimizer:
                         time.sleep(0.5)  # a member whose round succeeded may not have published it yet
                     catchup = _CatchUp(catchup.min_step, self.peer.download_state_async(
                         self._donors(view, catchup.min_step), catchup.min_step, FRESH_GRACE, self._max_state_bytes,
-                        self._votes(view)), catchup.started, catchup.heard)
+                        self._votes(view), _ceiling(view, catchup.min_step)), catchup.started, catchup.heard)
                     if not wait:
                         self._catchup = catchup
                         return True
@@ -774,6 +782,10 @@ class CollaborativeOptimizer:
             at = lineage.first_conflict(history, view)
             raise ForkError(f"its state of step {state['step']} rewrites step {at}, which the collaboration "
                             f"took with other parameters (a fork): refused", peers=(donor,))
+        consensus = view.consensus_fingerprint(int(state["step"]))
+        if consensus is not None and consensus != own:
+            raise ForkError(f"its parameters of step {state['step']} ({own}) are not the ones most peers hold at that "
+                            f"step ({consensus}): refused", peers=(donor,))
 
     def _donors(self, view: CollaborationView, step: int) -> list[str]:
         me = self.peer.peer_id
@@ -858,7 +870,7 @@ class CollaborativeOptimizer:
             donors = [d for d in donors if d not in refused]
             try:
                 step, blob, donor = self.peer.download_state(donors, target, timeout, self._max_state_bytes,
-                                                             self._votes(view))
+                                                             self._votes(view), _ceiling(view, target))
                 state = snapshot.decode(blob)
                 self._check_lineage(state, donor, view)
             except ForkError as e:  # some donors' states rewrite steps the collaboration took: never again

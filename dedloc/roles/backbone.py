@@ -27,12 +27,14 @@ import random
 import threading
 import time
 
+from dedloc.auth.authorizer import make_authorizer
 from dedloc.config import AveragingConfig, BackboneConfig, MonitorConfig, PeerConfig
 from dedloc.errors import ConfigError, DedlocError
 from dedloc.monitor.ledger import Ledger
 from dedloc.monitor.server import DashboardThread
 from dedloc.peer import Peer
-from dedloc.records import MAX_LEDGER_ROWS, CollaborationView, CreditRecord, LedgerRecord, ProgressRecord, Role
+from dedloc.records import ATTEST, MAX_LEDGER_ROWS, CollaborationView, CreditRecord, LedgerRecord, ProgressRecord, Role, \
+    parse_fingerprint
 from dedloc.state import lineage, snapshot
 from dedloc.state.checkpoint import CheckpointStore
 from dedloc.state.run_memory import RunMemory
@@ -68,9 +70,18 @@ class Backbone:
         self.refinding_since: float | None = None
         """While not None: restarted while its run was live, it looks for the run (since, monotonic)."""
         self._peers_at = 0.0
+        self._found = False
+        """It just found its run again: its next pull is the run's state, however far past its
+        checkpoint (``_unattested``)."""
+        self._refused: tuple[int, set[str]] = (-1, set())
+        """The target step of the last pulls, and the donors whose state of it was not checkpointed."""
         self.peer = Peer(peer_config, averaging)
         self.dashboard: DashboardThread | None = None
         try:
+            if not make_authorizer(peer_config.run_id, peer_config.owner, peer_config.invite,
+                                   self.peer.peer_id).backbone_invited():
+                raise ConfigError(f"invalid config: invite: this peer's invitation does not let it act as the run's "
+                                  f"backbone; the owner issues one with `dedloc invite {self.peer.peer_id} --backbone`")
             if self.config.dashboard_port >= 0:
                 self.dashboard = DashboardThread(self.peer.read_records, peer_config.run_id,
                                                  MonitorConfig(port=self.config.dashboard_port))
@@ -112,11 +123,14 @@ class Backbone:
         return view
 
     def _remember(self, view: CollaborationView) -> None:
-        """Take the newest fingerprint the trainers hold, and (every PEERS_EVERY s) the addresses of
-        the run's peers it is connected to, into the run memory; saved when it changed."""
+        """Take the newest fingerprint the trainers hold (up to the step the run attests, and within
+        ``lineage.KEEP`` steps of the checkpoint: one member's far claim is not the run's), and (every PEERS_EVERY s) the addresses of the run's peers it is
+        connected to, into the run memory; saved when it changed."""
         memory = dataclasses.replace(self.memory, live=any(r.role.trains for r in view.peers))
         for r in view.peers:
-            if r.role.trains and not r.syncing and view.votes(r):
+            applied = r.applied_step or 0
+            if r.role.trains and not r.syncing and view.votes(r) and applied <= view.global_step \
+                    and (self.step < 0 or applied - self.step < lineage.KEEP):
                 memory = memory.saw(r.fingerprint)
         remembered = memory.peer_ids
         if time.monotonic() - self._peers_at >= PEERS_EVERY or \
@@ -156,6 +170,7 @@ class Backbone:
         else:
             return False
         self.refinding_since = None
+        self._found = holder is not None
         return True
 
     def _offer(self, blob: bytes) -> None:
@@ -175,13 +190,17 @@ class Backbone:
         target = view.global_step
         if target <= self.step:
             return False
-        donors = [r.peer_id for r in view.trainers_at(target) if r.role == Role.TRAINER]
+        if self._refused[0] != target:
+            self._refused = (target, set())
+        donors = [r.peer_id for r in view.trainers_at(target) if r.role == Role.TRAINER
+                  and r.peer_id not in self._refused[1]]
         if not donors:
             return False
         random.shuffle(donors)
         votes = lineage.fingerprints(view)
         try:
-            step, blob, donor = self.peer.download_state(donors, target, 60.0, self._max_state_bytes(), votes)
+            step, blob, donor = self.peer.download_state(donors, target, 60.0, self._max_state_bytes(), votes,
+                                                         max_step=target + 1)
             history = lineage.of_state(snapshot.decode(blob))
         except DedlocError as e:
             logger.warning(f"could not pull the state of step {target}: {e}")
@@ -191,6 +210,12 @@ class Backbone:
                            f"{lineage.first_conflict_of(history, votes)}, which the live peers took otherwise "
                            f"(a fork): not checkpointed")
             return False
+        unattested = "" if self._found else self._unattested(step, history, view)
+        if unattested:
+            self._refused[1].add(donor)
+            logger.warning(f"the state of step {step} from {donor} is not checkpointed: {unattested}")
+            return False
+        self._found = False
         rewritten = lineage.divergence(self.history, history)
         if rewritten is not None:
             logger.warning(f"the run's history changed: the checkpoint held (step {self.step}, "
@@ -204,6 +229,28 @@ class Backbone:
         self._report()
         logger.info(f"checkpoint of step {step} from {donor} written to {path} ({len(blob) / 1e6:.1f} MB)")
         return True
+
+    def _unattested(self, step: int, history: dict[int, str], view: CollaborationView) -> str:
+        """Why a pulled state of ``step`` (its lineage ``history``) is not one the run attests ("" if
+        it is). It is if it continues a history this backbone saw: the checkpoint it holds, or the
+        newest state its run memory saw trainers hold, within ``lineage.KEEP`` steps (a lineage
+        reaches no further, so a donor cannot bridge a far jump); or if ``ATTEST`` trainers publish
+        its fingerprint. A backbone with no checkpoint and no memory takes the first state. So a
+        member left alone in the run cannot get a far step of its own checkpointed."""
+        anchors = sorted({f for f in (self.history.get(self.step), self.memory.newest) if f})
+        if not anchors:
+            return ""
+        for anchor in anchors:
+            at = parse_fingerprint(anchor)[0]
+            if 0 <= step - at < lineage.KEEP and history.get(at) == anchor:
+                return ""
+        head = history.get(step)
+        holders = {r.peer_id for r in view.peers if r.role.trains and head and r.fingerprint == head}
+        if len(holders) >= ATTEST:
+            return ""
+        return (f"it does not continue the history this backbone saw (the state of step "
+                f"{', '.join(str(parse_fingerprint(a)[0]) for a in anchors)} within {lineage.KEEP} steps), and "
+                f"{len(holders)} trainer(s) hold it (a far step of one member's own); waiting for the run to attest it")
 
     def account(self) -> bool:
         """Take the aggregators' newest credits into the contribution ledger (monitor/ledger.py),
@@ -226,7 +273,8 @@ class Backbone:
         return changed
 
     def run(self, stop: threading.Event) -> None:
-        """Pull and checkpoint every ``checkpoint_interval`` until ``stop`` is set; keeps the record alive."""
+        """Pull and checkpoint every ``checkpoint_interval`` (sooner once the run is ``lineage.KEEP / 2``
+        steps past the checkpoint) until ``stop`` is set; keeps the record alive."""
         next_pull = time.monotonic()
         refresh = max(1.0, self.peer.config.progress_ttl / 3)
         while not stop.is_set():
@@ -237,6 +285,8 @@ class Backbone:
                     next_pull = time.monotonic() + self.config.checkpoint_interval
             else:
                 self.view = self._report()
+                if self.step >= 0 and self.view.global_step - self.step >= lineage.KEEP // 2:
+                    next_pull = time.monotonic()  # pulled before the run outruns a lineage (``_unattested``)
             self.account()
             stop.wait(LOOK_EVERY if self.refinding_since is not None else
                       min(refresh, max(0.05, next_pull - time.monotonic())))

@@ -26,17 +26,18 @@ def run_init(directory: str, run_id: str) -> str:
     return (f"invite-only run {run_id!r} created in {directory} (keep owner.key secret)\n"
             f"owner key: {owner.public}\n"
             f"every peer joins with: --run-id {run_id} --owner {owner.public} --invite <its invitation>\n"
+            f"invite the backbone:  dedloc invite BACKBONE_PEER_ID --run {directory} --expires 30d --backbone\n"
             f"invite a peer:  dedloc invite PEER_ID --run {directory} --expires 7d\n"
             f"revoke a peer:  dedloc revoke PEER_ID --run {directory}  (the owner's backbone publishes "
             f"{os.path.join(directory, 'revoked')} with --revocations)")
 
 
-def invite(directory: str, peer_id: str, expires: str) -> str:
+def invite(directory: str, peer_id: str, expires: str, backbone: bool = False) -> str:
     try:
         public_key_of(peer_id)
     except ValueError as e:
         raise ConfigError(f"cannot invite {peer_id!r}: {e}") from None
-    return RunOwner.load(directory).invite(peer_id, parse_duration(expires))
+    return RunOwner.load(directory).invite(peer_id, parse_duration(expires), backbone)
 
 
 def revoke(directory: str, peer_id: str) -> str:

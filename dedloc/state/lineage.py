@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dedloc.records import CollaborationView
+from dedloc.records import HISTORY, CollaborationView
 from dedloc.records import parse_fingerprint as parse
 
-KEEP = 64
+KEEP = HISTORY
 """Steps of history a lineage keeps (forks older than this go unnoticed)."""
 
 

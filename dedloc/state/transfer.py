@@ -17,8 +17,9 @@ reading its bytes. Guarantees:
   steps back: it would never produce the step it published);
 - a download has a deadline, checks the announced size against what the requester expects
   (``max_bytes``, sized from its own model; at most ``MAX_STATE_BYTES``) before reading any of
-  it, so memory is never sized by a donor's claim, and tries the next donor on
-  any failure. Each donor's answer must come within ``HEADER_WAIT`` (a donor that never answers
+  it, and takes memory only as the bytes arrive (``_reserve``), so memory is never sized by a
+  donor's claim; it refuses a state above ``max_step`` (past the step the run attests: one
+  member's claim, records.py) at its header, and tries the next donor on any failure. Each donor's answer must come within ``HEADER_WAIT`` (a donor that never answers
   costs that much, not the whole deadline); the bytes then get what is left of the deadline, but
   a donor that sends nothing for ``STALL_WAIT`` is given up. It raises StateError naming every
   donor tried when none succeeded (ForkError, with the forked donors in ``peers``, when some
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
+import sys
 import time
 from dataclasses import dataclass
 
@@ -45,15 +48,16 @@ CHUNK = 4 << 20
 MAX_STATE_BYTES = 64 << 30
 FRESH_WAIT = 15.0
 HEADER_WAIT = FRESH_WAIT + 10.0
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 STALL_WAIT = 20.0
 """A donor whose bytes stop arriving for this long is given up (and the next one tried)."""
 
 
-async def _receive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, size: int) -> bytearray:
+async def _receive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, size: int) -> bytes:
     """A state's ``size`` bytes (already checked against what this peer accepts), read through the
     paced bulk path (credits back to the donor, zero-copy reads); a donor that sends nothing for
     ``STALL_WAIT`` (frozen mid-transfer) raises StateError, however slow but steady it is otherwise."""
-    buf = bytearray(size)
+    buf = _reserve(size)
     seen = [time.monotonic(), 0]
 
     def progress(done: int) -> None:
@@ -66,11 +70,24 @@ async def _receive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, s
             if not task.done() and time.monotonic() - seen[0] > STALL_WAIT:
                 raise StateError(f"sent nothing for {STALL_WAIT:.0f} s ({seen[1]} of {size} bytes in)")
         task.result()
-        return buf
+        return bytes(buf)
     finally:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+def _reserve(size: int) -> bytearray | mmap.mmap:
+    """Room for ``size`` bytes that takes memory only as bytes arrive (Linux: an anonymous mapping
+    without reserve), so a donor announcing a huge state and sending little costs what it sent.
+    StateError, naming the size, if even that cannot be mapped. Unmapped once the last view of it
+    is gone (a cancelled read may hold one a moment longer)."""
+    try:
+        if sys.platform.startswith("linux"):
+            return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        return bytearray(size)
+    except (OSError, MemoryError, OverflowError) as e:
+        raise StateError(f"cannot make room for its announced {size} bytes: {e}") from None
 
 
 @dataclass
@@ -164,11 +181,12 @@ class StateServer:
             logger.info(f"sent the state of step {state.step} ({len(state.blob) / 1e6:.1f} MB) to {info.peer_id}")
         return False
 
-    async def download(self, donors: list[str], min_step: int, timeout: float,
-                       max_bytes: int | None = None, votes: dict[str, str] | None = None) -> tuple[int, bytes, str]:
+    async def download(self, donors: list[str], min_step: int, timeout: float, max_bytes: int | None = None,
+                       votes: dict[str, str] | None = None, max_step: int | None = None) -> tuple[int, bytes, str]:
         """Fetch a state at step >= min_step from the first donor that has one, trying them in order.
         ``votes``: the live peers' fingerprints (state/lineage.py); a donor whose header lineage they
-        outvote (a fork) is refused before any byte of its state is read, and the next one tried."""
+        outvote (a fork), or that announces a step above ``max_step`` (past what the run attests: one
+        member's claim), is refused before any byte of its state is read, and the next one tried."""
         deadline = time.monotonic() + timeout
         limit = min(max_bytes or MAX_STATE_BYTES, MAX_STATE_BYTES)
         reasons: list[str] = []
@@ -184,7 +202,7 @@ class StateServer:
                     break
                 try:
                     step, blob = await asyncio.wait_for(
-                        self._download_from(donor, min_step, deadline, limit, votes), left)
+                        self._download_from(donor, min_step, deadline, limit, votes, max_step), left)
                     return step, blob, donor
                 except Exception as e:  # any failure of one donor: try the next
                     if isinstance(e, ForkError):
@@ -198,7 +216,7 @@ class StateServer:
         raise ForkError(why, peers=tuple(forks)) if forks else StateError(why)
 
     async def _download_from(self, donor: str, min_step: int, deadline: float, limit: int,
-                             votes: dict[str, str] | None) -> tuple[int, bytes]:
+                             votes: dict[str, str] | None, max_step: int | None) -> tuple[int, bytes]:
         header_by = min(deadline, time.monotonic() + HEADER_WAIT)
         reader, writer = await asyncio.wait_for(
             self.transport.open(donor, self.proto),
@@ -218,6 +236,9 @@ class StateServer:
             step, size = head.get("step"), head.get("size")
             if not isinstance(step, int) or not isinstance(size, int) or step < min_step or size <= 0:
                 raise ProtocolError(f"bad state header {head!r}")
+            if max_step is not None and step > max_step:
+                raise ProtocolError(f"it announces a state of step {step}, past step {max_step}: the run's other "
+                                    f"peers attest no such step (records.py ``global_step``)")
             if size > limit:
                 raise ProtocolError(f"it announces a state of {size} bytes, more than this peer accepts "
                                     f"({limit} bytes: its own model's state, with room for the optimizer's)")
@@ -228,6 +249,6 @@ class StateServer:
                 raise ForkError(f"its state of step {step} rewrites step {lineage.first_conflict_of(history, votes)}, "
                                     f"which the collaboration took with other parameters (a fork): refused before "
                                     f"its {size} bytes")
-            return step, bytes(await _receive(reader, writer, size))
+            return step, await _receive(reader, writer, size)
         finally:
             writer.close()
