@@ -500,16 +500,16 @@ def test_once_per_step_logs_an_event_at_info_once_per_step_until_forgotten(caplo
 
 
 def test_claim_bounds_count_implausible_samples_at_their_bound_and_bound_weights():
-    from dedloc.optim.claims import NEW_SPEED, SLACK, ClaimBounds
+    from dedloc.optim.claims import NEW_SPEED, SLACK, UNSEEN, ClaimBounds
     from dedloc.records import CollaborationView, ProgressRecord, Role
 
     def view(step, *recs):
         return CollaborationView.build([ProgressRecord(p, step, n, sps, Role.TRAINER) for p, n, sps in recs])
 
     claims = ClaimBounds(target_batch_size=100)
-    # step 0: joined into it, not seen begin: nothing is bounded
+    # step 0: joined into it, not seen begin: each peer counts at most UNSEEN target batches
     v = claims.observe(view(0, ("a", 30, 10.0), ("b", 10**9, 10.0)), now=0.0)
-    assert [r.samples for r in v.peers] == [30, 10**9]
+    assert [r.samples for r in v.peers] == [30, UNSEEN * 100]
     # last seen at step 0 at t=100, at step 1 at t=103: the step began at the earliest at t=100;
     # at t=110, each may claim SLACK * 10/s * 10 s + a fair share (50)
     claims.observe(view(0, ("a", 90, 10.0), ("b", 10, 10.0)), now=100.0)
@@ -521,10 +521,15 @@ def test_claim_bounds_count_implausible_samples_at_their_bound_and_bound_weights
     w = claims.weights(1, v, now=110.0)
     assert w.of("a") == bound_a and w.of("b") == bound_b
     assert w.of("c") == bound_b  # a newcomer, the same
-    # a step this peer resynced into (1 -> 5) is not bounded: it did not see it begin
-    v = claims.observe(view(5, ("a", 10**6, 10.0)), now=111.0)
-    assert v.peers[0].samples == 10**6
     assert w.excess("b", 10**9) and w.excess("a", 90) is None
+    # at b122246 the speed b published (1e9/s) was committed for the next step as its own: every step
+    # then closed on its claim. It is committed at most NEW_SPEED times the fastest other peer's
+    claims.observe(view(2, ("a", 0, 10.0), ("b", 0, 10**9)), now=111.0)
+    v = claims.observe(view(2, ("a", 5, 10.0), ("b", 10**9, 10**9)), now=116.0)
+    assert v.peers[1].samples == int(SLACK * NEW_SPEED * 10.0 * 6 + 50)
+    # a step this peer resynced into (2 -> 5): it did not see it begin; UNSEEN target batches
+    v = claims.observe(view(5, ("a", 10**6, 10.0)), now=117.0)
+    assert v.peers[0].samples == UNSEEN * 100
 
 
 def test_ready_and_closed_records_round_trip_and_refuse_malformed_ones():

@@ -11,7 +11,8 @@ class GradientAccumulator:
     """Sums ``batch_size * grad`` over micro-batches for a fixed list of parameters.
 
     ``export()`` gives the vector averaged across peers: the local mean gradient followed by one
-    overflow flag (1.0 when the local sum is not finite, in which case the gradient part is zeros).
+    unused entry (0; once an overflow flag, which let any member veto a step). When the local sum
+    is not finite the gradient part is zeros, and the optimizer contributes it with weight 0.
     Weighted by local samples, the peers' mean of these vectors is exactly the gradient of the
     mean loss over every sample the collaboration processed for the step.
     """
@@ -51,8 +52,6 @@ class GradientAccumulator:
         finite = all_finite(mean)
         if finite:
             out[:-1].copy_(mean)
-        else:
-            out[-1] = 1.0
         return out, finite
 
     def load_grads(self, vector: torch.Tensor) -> None:

@@ -11,13 +11,15 @@ bounds them. For peer ``i`` at step ``s``, read at time ``now`` by this peer:
 - ``share_s = target_batch_size / (training peers at s)``: one fair share, for the micro-batch a
   peer had in flight when the step began and for a newcomer's first one (counted before any
   speed of its own is known);
-- ``v_i``: the speed peer ``i`` may claim: the speed it published before ``s`` began, or, if
-  higher, its published speed up to ``NEW_SPEED`` times the fastest speed any peer published
+- ``v_i``: the speed peer ``i`` may claim: the speed it published before ``s`` began (itself
+  at most ``NEW_SPEED`` times the fastest speed another peer published then: a member that
+  published 1e9 samples/s once had it committed, and every step closed on its claim), or, if
+  higher, its published speed up to ``NEW_SPEED`` times the fastest speed another peer published
   before ``s`` began (a newcomer, or a peer that sped up). When no peer had published a speed
   before ``s``, speeds are taken as published.
 
-A step this peer did not see begin (it joined or resynced into it) is not bounded: it cannot tell
-how long the others have been computing for it.
+A step this peer did not see begin (it joined or resynced into it) is bounded by ``UNSEEN``
+target batches per peer: it cannot tell how long the others have been computing for it.
 
 A record claiming more samples is counted at its bound (logged once per peer per minute), and a
 weight above its bound is refused in the round (averaging/bounds.py). What is left: a member that
@@ -38,6 +40,7 @@ from dedloc.records import CollaborationView
 logger = logging.getLogger(__name__)
 SLACK = 2.0
 NEW_SPEED = 2.0
+UNSEEN = 4.0
 KEEP_STEPS = 8
 
 
@@ -64,7 +67,7 @@ class ClaimBounds:
             if self._step is not None and step == self._step + 1:  # seen begin (not joined or resynced into)
                 self._began[step] = self._looked  # the earliest it can have begun (a frozen peer: long ago)
             self._step = step
-            self._committed[step] = {p: v for p, v in self._latest.items() if v > 0}
+            self._committed[step] = _committed({p: v for p, v in self._latest.items() if v > 0})
             for old in [s for s in self._began if s < step - KEEP_STEPS]:
                 self._began.pop(old, None)
                 self._committed.pop(old, None)
@@ -92,7 +95,7 @@ class ClaimBounds:
     def bound(self, step: int, peer: str, published: float, view: CollaborationView, now: float) -> float:
         began = self._began.get(step)
         if began is None:  # a step this peer joined or resynced into: it did not see it begin
-            return MAX_WEIGHT
+            return UNSEEN * self.target
         trainers = max(1, len(view.trainers_at(step)))
         share = self.target / trainers
         return SLACK * self.speed(step, peer, published) * max(0.0, now - began) + share
@@ -102,7 +105,8 @@ class ClaimBounds:
         if not committed:
             return published
         own = committed.get(peer, 0.0)
-        return max(own, min(published, NEW_SPEED * max(committed.values())))
+        others = max((v for p, v in committed.items() if p != peer), default=own)
+        return max(own, min(published, NEW_SPEED * others))
 
     def weights(self, step: int, view: CollaborationView, now: float | None = None) -> WeightBounds:
         """The bounds on every peer's weight in ``step``'s round (peers not in ``view``: a newcomer's)."""
@@ -111,5 +115,14 @@ class ClaimBounds:
                   for r in view.peers if r.role.trains}
         committed = self._committed.get(step, {})
         fastest = max(committed.values(), default=0.0)
-        default = self.bound(step, "", NEW_SPEED * fastest, view, now) if fastest else MAX_WEIGHT
+        default = self.bound(step, "", NEW_SPEED * fastest, view, now) if fastest else UNSEEN * self.target
         return WeightBounds({p: min(b, MAX_WEIGHT) for p, b in limits.items()}, min(default, MAX_WEIGHT))
+
+
+def _committed(speeds: dict[str, float]) -> dict[str, float]:
+    """Each peer's published speed, at most ``NEW_SPEED`` times the fastest another peer published
+    (as published when it is the only one)."""
+    if len(speeds) < 2:
+        return dict(speeds)
+    ranked = sorted(speeds.values(), reverse=True)
+    return {p: min(v, NEW_SPEED * (ranked[1] if v == ranked[0] else ranked[0])) for p, v in speeds.items()}

@@ -72,7 +72,7 @@ logger = logging.getLogger(__name__)
 class StepOutcome(str, enum.Enum):
     ACCUMULATED = "accumulated"  # the micro-batch was added; the global batch is not full yet
     STEPPED = "stepped"  # the micro-batch closed a global step (applied now, or later with delayed updates)
-    SKIPPED = "skipped"  # the round ran, but every peer skipped the update (an overflow somewhere)
+    SKIPPED = "skipped"  # the round ran, but every member's gradient overflowed: all skipped the update
     RESYNCED = "resynced"  # this peer was out of sync: local gradients dropped, state downloaded
 
 
@@ -126,6 +126,7 @@ class _Inflight:
     finish: Callable[[], dict[str, Any]]
     local_samples: int
     started: float
+    overflowed: bool = False
 
 
 class _Ema:
@@ -320,12 +321,13 @@ class CollaborativeOptimizer:
                      max(self.peer.averaging.matchmaking_time, busy_until - time.time() + 1.0))
         vector, finite = self.acc.export()
         weight = float(self.acc.samples)
-        if not finite and self.scale is None:
-            logger.warning(f"step {step}: this peer's accumulated gradient has NaN/inf values; "
-                           f"it contributes nothing to this step")
+        if not finite:  # its samples leave the step; the others' still make it (no member can veto a step)
+            logger.warning(f"step {step}: this peer's accumulated gradient has NaN/inf values"
+                           + (" (its loss scale backs off)" if self.scale is not None else "")
+                           + f"; its {self.acc.samples} samples are left out of this step")
             vector.zero_()
             weight = 0.0
-        local_samples = self.acc.samples
+        local_samples = self.acc.samples if finite else 0
         if self.on_contribute is not None:
             self.on_contribute(step, local_samples if weight > 0 else 0)
         started = time.monotonic()
@@ -334,7 +336,7 @@ class CollaborativeOptimizer:
                       bounds=self._claims.weights(step, view))
         if self.config.delay_updates:
             future, finish = self.peer.average_async(vector, **kwargs)
-            self._inflight = _Inflight(step, vector, future, finish, local_samples, started)
+            self._inflight = _Inflight(step, vector, future, finish, local_samples, started, not finite)
             self.global_step = step + 1
             self.acc.reset()
             # step's gradients were computed on step-1's parameters while step-1's update was being
@@ -347,7 +349,7 @@ class CollaborativeOptimizer:
         except (MatchmakingError, AveragingError) as e:
             self._resync(self.peer.collaboration(), f"step {step} failed: {e}")
             return StepOutcome.RESYNCED
-        return self._apply(step, vector, stats, local_samples, started)
+        return self._apply(step, vector, stats, local_samples, started, not finite)
 
     def _finish_inflight(self, resync: bool = True) -> bool:
         """Wait for the background round and apply it. On failure, catch up in the background
@@ -361,7 +363,7 @@ class CollaborativeOptimizer:
                 return True
             logger.warning(f"step {inflight.step} failed while leaving: {e}")
             return False
-        self._apply(inflight.step, inflight.vector, stats, inflight.local_samples, inflight.started)
+        self._apply(inflight.step, inflight.vector, stats, inflight.local_samples, inflight.started, inflight.overflowed)
         return True
 
     def _start_catchup(self, step: int, reason: str) -> None:
@@ -601,8 +603,13 @@ class CollaborativeOptimizer:
                        f"still accumulating for step {self.global_step}")
 
     def _apply(self, step: int, vector: torch.Tensor, stats: dict[str, Any], local_samples: int,
-               started: float) -> StepOutcome:
-        overflow = bool(vector[-1] > 0)
+               started: float, overflowed: bool = False) -> StepOutcome:
+        """Apply the averaged gradient of ``step``; skipped (parameters unchanged) only when no member
+        contributed to it (``total_weight`` 0: every member's gradient overflowed), which every
+        member sees alike. The vector's last entry, once an overflow flag any member could set to
+        make all skip, is ignored. The loss scale follows this peer's own overflows
+        (``overflowed``), as a GradScaler does."""
+        overflow = float(stats.get("total_weight", local_samples)) <= 0
         if not overflow:
             self.acc.load_grads(vector)
             if self.config.clip_grad_norm is not None:
@@ -611,7 +618,7 @@ class CollaborativeOptimizer:
             if self.scheduler is not None:
                 self.scheduler.step()
         if self.scale is not None:
-            self.scale.update(overflow)
+            self.scale.update(overflowed)
         self._zero_grads()
         self.applied_step = step + 1
         if not self.config.delay_updates:
@@ -630,7 +637,8 @@ class CollaborativeOptimizer:
                              int(stats.get("group_size", 1)), time.monotonic() - started, overflow, contributors)
         self.history.append(record)
         logger.info(f"step {step} averaged with {record.group_size} peers, batch {record.batch:.0f} samples, "
-                    f"in {record.averaging_s:.2f} s" + (" (overflow: step skipped by all)" if overflow else ""))
+                    f"in {record.averaging_s:.2f} s" + (" (no member's gradient was finite: step skipped by all)"
+                                                        if overflow else ""))
         return StepOutcome.SKIPPED if overflow else StepOutcome.STEPPED
 
     # ---- progress and sync -------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Loss scaling shared by the whole collaboration (mixed precision with torch.amp.GradScaler).
 
-Every peer scales its loss with the same scale, and the scale changes only at global steps, by
-the same rule on every peer: after an overflow anywhere in the collaboration (seen on the
-averaged gradient's overflow flag), all peers skip the step and back off; after
-``growth_interval`` good steps, all grow. So scales, like parameters, stay identical.
+Each peer scales its own loss; the scale changes only at global steps: after a step in which this
+peer's accumulated gradient overflowed (its samples were left out of the step, the others' made
+it), it backs off; after ``growth_interval`` steps without, it grows. A peer that joins takes its
+donor's scale. Scales may differ between peers; parameters do not (gradients are unscaled before
+averaging). An overflow elsewhere is no business of this peer's scale: a member flagging one
+every step made every peer skip every step (issue 38).
 """
 
 from __future__ import annotations
