@@ -135,3 +135,126 @@ def test_a_member_publishing_step_plus_1000_with_its_own_weights_is_adopted_by_n
     assert any(usurpers[0].peer.peer_id in w and "attests" in w for w in warned), warned
     assert f"peer {usurpers[1].peer.peer_id} publishes a backbone's record" in capfd.readouterr().err
     assert names  # both attacks ran
+
+
+def test_a_member_replaying_another_members_dht_request_800_times_gets_it_cut_off_no_more(tmp_path, caplog):
+    """At b122246 the victim cut the *honest* member off ("too many DHT requests from B"): requests
+    were bound to no recipient and no nonce was remembered. A replay is now refused before it counts."""
+    import asyncio
+
+    from hivemind.dht.protocol import DHTProtocol
+
+    from dedloc.auth.dht import DHT_BURST
+    from dedloc.config import PeerConfig
+    from dedloc.net.node import Node
+
+    owner = RunOwner.init(str(tmp_path / "run"), run_id())
+
+    def capturing(node, into):  # what the node's DHT receives, as a member sitting there sees it
+        access = node.dht.protocol.authorizer
+        validate = access.validate_request
+
+        async def keep(request):
+            copy = type(request)()
+            copy.CopyFrom(request)
+            into.append(copy)
+            return await validate(request)
+        access.validate_request = keep
+
+    async def main():
+        a = await Node.create(member(owner, tmp_path, "a"))
+        maddrs = tuple(await a.visible_maddrs())
+        b, m = [await Node.create(PeerConfig(**{**member(owner, tmp_path, n).__dict__, "initial_peers": maddrs}))
+                for n in ("b", "m")]
+        try:
+            at_m, at_a = [], []
+            capturing(m, at_m)
+            capturing(a, at_a)
+            assert await b.dht.protocol.call_ping(m.peer_id, validate=False) is not None
+            assert await b.dht.protocol.call_ping(a.peer_id, validate=False) is not None
+            sent_to_m, sent_to_a = at_m[-1], at_a[-1]
+            raw = super(DHTProtocol, m.dht.protocol).get_stub(m.p2p, a.peer_id)  # sends what it is given, unsigned
+            replays = int(DHT_BURST) + 300
+            for captured in (sent_to_m,) * replays + (sent_to_a,) * 10:
+                try:
+                    answer = await raw.rpc_ping(captured)
+                except Exception:
+                    answer = None
+                assert answer is None or not answer.peer.node_id, "a replay was answered"
+            assert await b.dht.protocol.call_ping(a.peer_id, validate=False) is not None  # b is not cut off
+            return b.peer_id.to_base58()
+        finally:
+            await m.shutdown()
+            await b.shutdown()
+            await a.shutdown()
+
+    with caplog.at_level("DEBUG", logger="dedloc.auth.dht"):
+        honest = asyncio.run(main())
+    assert f"from {honest}: it is addressed to another peer" in caplog.text
+    assert f"from {honest}: it was already received (a replay)" in caplog.text
+    assert "too many DHT requests" not in caplog.text
+
+
+def test_a_record_planted_for_ten_years_is_refused_and_a_revoked_members_records_are_not_read(tmp_path, caplog):
+    """At b122246 a member's record with a 10-year life was stored, and members still read it after
+    the member was revoked."""
+    import asyncio
+
+    from dedloc.auth.records import MAX_LIFE
+    from dedloc.config import PeerConfig
+    from dedloc.net.node import Node
+
+    owner = RunOwner.init(str(tmp_path / "run"), run_id())
+
+    async def main():
+        a = await Node.create(member(owner, tmp_path, "a", revocations=str(tmp_path / "run" / "revoked")))
+        m = await Node.create(PeerConfig(**{**member(owner, tmp_path, "m").__dict__,
+                                            "initial_peers": tuple(await a.visible_maddrs())}))
+        try:
+            key, me = a.key("progress"), m.peer_id.to_base58()
+            assert not await m.store(key, me, {"step": 5}, 10 * 365 * 86400.0)
+            assert await m.store(key, me, {"step": 5}, MAX_LIFE / 2)
+            assert (await a.get(key))[me][0] == {"step": 5}
+            owner.revoke(me)
+            await a.membership.refresh()
+            return me, await a.get(key)
+        finally:
+            await m.shutdown()
+            await a.shutdown()
+
+    with caplog.at_level("WARNING", logger="dedloc.auth.records"):
+        planter, after = asyncio.run(main())
+    assert f"the record under {planter} would live" in caplog.text
+    assert planter not in after
+
+
+def test_a_donor_announcing_60_gib_costs_only_what_it_sends(tmp_path):
+    """At b122246 a donor announcing a state just under the 64 GiB cap made a requester without
+    ``max_bytes`` allocate it all: MemoryError, nothing logged. Memory now follows the bytes sent."""
+    from conftest import bare_node
+    from dedloc.config import AveragingConfig, PeerConfig
+    from dedloc.errors import StateError
+    from dedloc.net import rpc
+
+    rid = run_id()
+    good = Peer(PeerConfig(run_id=rid), AveragingConfig(probe_interval=0))
+    newcomer = Peer(PeerConfig(run_id=rid, initial_peers=tuple(good.maddrs)), AveragingConfig(probe_interval=0))
+
+    async def serve(node, finished):
+        async def answer(info, reader, writer):
+            await rpc.read_message(reader)
+            await rpc.write_message(writer, {"step": 3, "size": 60 << 30, "lineage": []})
+            writer.write(b"\0" * (1 << 20))  # a little of it, then it hangs up
+            await writer.drain()
+            return True
+
+        await node.streams.serve(f"dedloc.{rid}.state", answer)
+
+    try:
+        with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(good.maddrs)), serve) as donor:
+            with pytest.raises(StateError, match=donor) as refused:
+                newcomer.download_state([donor], 3, timeout=30)
+        assert "MemoryError" not in str(refused.value), refused.value
+    finally:
+        newcomer.close()
+        good.close()

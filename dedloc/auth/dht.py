@@ -11,20 +11,27 @@ Each member may send ``DHT_RATE`` requests per second to this peer, in bursts of
 (net/limits.py); counted after the signature check, so nobody can spend another peer's budget.
 Above it, requests are dropped like refused ones, with a WARNING naming the peer.
 
-A request is accepted within ``MAX_SKEW`` seconds of its timestamp. Replaying a captured request is
-harmless: only its recipient can read it (the channel is encrypted), a stored record is itself
-signed by its owner (auth/records.py), and a search's answer goes to whoever asks.
+A request is accepted within ``MAX_SKEW`` seconds of its timestamp, only by the peer it is
+addressed to (the recipient's peer id is signed with it), and only once (its nonce is remembered
+for ``MAX_SKEW`` seconds; at most ``MAX_NONCES``). A member that received another member's request
+and replayed it 800 times to a third peer got that honest member cut off ("too many DHT requests");
+a replay is now refused before it is counted against anyone's budget. hivemind builds each
+request's stub without naming its recipient (``DHTProtocol.get_stub``); ``_addressed_stub`` names
+it, for the pinned hivemind 1.1.12 (tests/test_members.py fails if that changes).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import ed25519
-from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.p2p import PeerID
+from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase, AuthRole, AuthRPCWrapper
 
 from dedloc.auth.authorizer import Authorizer
 from dedloc.auth.records import sender
@@ -34,7 +41,8 @@ from dedloc.net.limits import PeerLimits
 from dedloc.net.identity import public_key_of
 
 logger = logging.getLogger(__name__)
-MAX_SKEW = 300.0
+MAX_SKEW = 120.0
+MAX_NONCES = 1 << 20
 DHT_RATE = 100.0
 DHT_BURST = 500.0
 _REQUEST, _RESPONSE = b"dedloc dht request v1\x00", b"dedloc dht response v1\x00"
@@ -54,7 +62,10 @@ class DHTAccess(AuthorizerBase):
 
     def __init__(self, key: ed25519.Ed25519PrivateKey, peer_id: str, authorizer: Authorizer):
         self._key, self.peer_id, self.authorizer = key, peer_id, authorizer
+        self._address = PeerID.from_base58(peer_id).to_bytes()
         self.limits = PeerLimits(DHT_RATE, DHT_BURST)
+        self._nonces: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        """Nonces of the requests admitted in the last MAX_SKEW seconds -> when they may be forgotten."""
 
     def __getstate__(self):
         raise TypeError("DHTAccess holds a private key and never leaves its process")
@@ -70,7 +81,9 @@ class DHTAccess(AuthorizerBase):
             raise Unauthorized("its invitation is not text") from None
 
     async def sign_request(self, request: AuthorizedRequestBase, service_public_key=None) -> None:
+        """Sign ``request`` for the peer ``service_public_key`` names (a PeerID, ``_addressed_stub``)."""
         auth = request.auth
+        auth.service_public_key = service_public_key.to_bytes() if isinstance(service_public_key, PeerID) else b""
         auth.client_access_token.username = self.peer_id
         auth.client_access_token.public_key = (self.authorizer.credential() or "").encode()
         auth.time = time.time()
@@ -84,6 +97,9 @@ class DHTAccess(AuthorizerBase):
                 raise Unauthorized(f"its timestamp is more than {MAX_SKEW:.0f} s from this peer's clock")
             self._verify(peer, request.auth.client_access_token.public_key, request.auth.signature,
                          _REQUEST + _unsigned(request, "client_access_token"))
+            if request.auth.service_public_key != self._address:
+                raise Unauthorized("it is addressed to another peer (a captured request, replayed)")
+            self._remember(peer, request.auth.nonce, request.auth.time)
             if self.limits.acquire(peer) is None:
                 raise Unauthorized(f"too many DHT requests from this peer ({self.limits.describe()})")
         except Unauthorized as e:
@@ -91,6 +107,19 @@ class DHTAccess(AuthorizerBase):
             return False
         sender.set(peer)  # this task now serves the request: records it stores name their sender
         return True
+
+    def _remember(self, peer: str, nonce: bytes, sent: float) -> None:
+        """Admit ``nonce`` once in its window (Unauthorized for a replay; a full memory refuses too,
+        rather than forget a nonce still in its window)."""
+        now = time.time()
+        while self._nonces and next(iter(self._nonces.values())) < now:
+            self._nonces.popitem(last=False)
+        key = peer.encode() + b"/" + nonce
+        if key in self._nonces:
+            raise Unauthorized("it was already received (a replay)")
+        if len(self._nonces) >= MAX_NONCES:
+            raise Unauthorized(f"this peer remembers {MAX_NONCES} recent requests already")
+        self._nonces[key] = max(now, sent + MAX_SKEW)
 
     async def sign_response(self, response: AuthorizedResponseBase, request: AuthorizedRequestBase) -> None:
         auth = response.auth
@@ -110,3 +139,12 @@ class DHTAccess(AuthorizerBase):
             _warnings.warn(peer or "unnamed", f"dropped a DHT answer from {peer or 'an unnamed peer'}: {e}")
             return False
         return True
+
+
+def _addressed_stub(self: DHTProtocol, peer: PeerID) -> AuthRPCWrapper:
+    """hivemind's ``DHTProtocol.get_stub``, naming the recipient to the signer (see module docstring)."""
+    stub = super(DHTProtocol, self).get_stub(self.p2p, peer)
+    return AuthRPCWrapper(stub, AuthRole.CLIENT, self.authorizer, service_public_key=peer)
+
+
+DHTProtocol.get_stub = _addressed_stub
