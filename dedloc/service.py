@@ -62,7 +62,7 @@ class PeerService:
     async def create(cls, peer_config: PeerConfig, averaging_config: AveragingConfig) -> "PeerService":
         node = await Node.create(peer_config)
         me, cfg = node.peer_id.to_base58(), averaging_config
-        tcp = DirectTCP(me, cfg.encryption) if cfg.transport != "libp2p" else None
+        tcp = DirectTCP(me, cfg.encryption, node.sign, node.authorizer.proven) if cfg.transport != "libp2p" else None
         peers = PeerConnections(node.streams, tcp, peer_config.run_id, cfg.encryption)
         planner = Planner(node, cfg, peers)
         metrics = PeerMetrics()

@@ -5,23 +5,33 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import logging
 
 import pytest
 import torch
 
 from dedloc.config import AveragingConfig
 from dedloc.errors import ProtocolError
-from dedloc.net.identity import create_identity
-from dedloc.net.rpc import read_message, write_message
-from dedloc.net.tcp import DirectTCP, Endpoint
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
-A, B, C = "12D3KooWA", "12D3KooWB", "12D3KooWC"  # the transport takes peer ids as given
+from dedloc.net.identity import create_identity, peer_id_of
+from dedloc.net.rpc import read_message, write_message
+from dedloc.net.tcp import VERSION, DirectTCP, Endpoint, _HELLO, _mac, _signed
+
+_KEYS = [ed25519.Ed25519PrivateKey.generate() for _ in range(3)]
+A, B, C = (peer_id_of(k.public_key()) for k in _KEYS)
+SIGN = dict(zip((A, B, C), (k.sign for k in _KEYS)))
 ROUND, KEY, PROTO = bytes(range(16)), bytes(32), "dedloc.test.allreduce"
 
 
-async def echo_server(encryption: bool = True, members=(A, B)):
+def direct(me: str, encryption: bool = True, **kwargs) -> DirectTCP:
+    """``me``'s transport, signing with its identity key as a peer's does."""
+    return DirectTCP(me, encryption, SIGN[me], **kwargs)
+
+
+async def echo_server(encryption: bool = True, members=(A, B), **kwargs):
     """B listening for round ROUND (members ``members``), echoing one message per stream."""
-    server = DirectTCP(B, encryption)
+    server = direct(B, encryption, **kwargs)
     served = []
 
     async def keys(round_id):
@@ -40,7 +50,7 @@ async def echo_server(encryption: bool = True, members=(A, B)):
 def test_a_member_with_the_round_key_gets_a_stream(encryption):
     async def main():
         server, endpoint, served = await echo_server(encryption)
-        client = DirectTCP(A, encryption)
+        client = direct(A, encryption)
         try:
             assert (endpoint.fingerprint is not None) == encryption
             reader, writer = await client.open(B, PROTO, endpoint, ROUND, KEY, require_encryption=encryption)
@@ -66,7 +76,7 @@ def test_every_bad_connection_is_refused_by_name_and_the_pair_falls_back(case, c
 
     async def main():
         server, endpoint, served = await echo_server(encryption=case != "plaintext refused", members=(A, B))
-        client = DirectTCP(me)
+        client = direct(me)
         key, rid, ep, proto = KEY, ROUND, endpoint, PROTO
         if case == "wrong key":
             key = bytes([1]) * 32
@@ -127,6 +137,54 @@ def test_garbage_and_silence_are_refused_without_a_handler():
             await server.close()
 
     asyncio.run(main())
+
+
+def _hello(sender: str, to: str, nonce: bytes, signer: str | None = None, key: bytes = KEY) -> dict:
+    """The hello ``sender``'s transport would send, signed by ``signer`` (default: the sender)."""
+    return {"v": VERSION, "r": ROUND, "p": PROTO, "f": sender, "t": to, "n": nonce,
+            "m": _mac(key, _HELLO, ROUND, PROTO, sender, to, nonce),
+            "s": SIGN[signer or sender](_signed(ROUND, PROTO, sender, to, nonce))}
+
+
+async def _say(endpoint: Endpoint, hello: dict) -> dict:
+    reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+    try:
+        await write_message(writer, hello)
+        return await asyncio.wait_for(read_message(reader), 10)
+    finally:
+        writer.close()
+
+
+def test_a_member_claiming_another_members_id_replaying_or_inventing_hellos_is_refused(caplog):
+    """At b122246 a member holding the round's secret could name another member in its hello (the
+    aggregator then refused the real member's contribution as late), replay a hello byte for byte
+    on a plaintext connection, and log one WARNING per invented id, holding each connection while
+    it waited for an invented round. Hellos are now signed by their sender, admitted once, from
+    members of the run only, and refusals before the signature are logged per address."""
+    async def main():
+        server, endpoint, served = await echo_server(encryption=False, members=(A, B, C),
+                                                     admits=lambda peer: peer in (A, B))
+        try:
+            # C (a member of the round, not of the run here) and A's id claimed by C
+            assert "not signed by" in (await _say(endpoint, _hello(A, B, bytes(16), signer=C)))["refused"]
+            assert "is not a member of this run" in (await _say(endpoint, _hello(C, B, bytes([1]) * 16)))["refused"]
+            replayed = _hello(A, B, bytes([2]) * 16)
+            assert "ok" in await _say(endpoint, replayed)
+            assert "already received" in (await _say(endpoint, replayed))["refused"]
+            for i in range(20):  # invented ids: keys of its own, each a valid signature of nobody invited
+                key = ed25519.Ed25519PrivateKey.generate()
+                SIGN[invented := peer_id_of(key.public_key())] = key.sign
+                answer = await _say(endpoint, _hello(invented, B, bytes([3 + i]) * 16))
+                assert "refused" in answer
+            assert served == [A]
+        finally:
+            await server.close()
+
+    with caplog.at_level("WARNING", logger="dedloc.net.tcp"):
+        asyncio.run(main())
+    assert f"refused a direct stream from address 127.0.0.1: the hello is not signed by {A}" in caplog.text
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) <= 3, [r.getMessage() for r in warnings]  # per address / member, not per invented id
 
 
 def test_endpoints_are_parsed_strictly():

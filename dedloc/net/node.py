@@ -26,7 +26,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from hivemind.dht.node import DHTNode
@@ -142,6 +142,10 @@ async def _find_reachability(p2p: P2P, streams: Streams, config: PeerConfig) -> 
     return await probe(streams, config.run_id, probers, listen)
 
 
+def _unsigned(data: bytes) -> bytes:
+    raise RuntimeError("this node was not created with an identity key")
+
+
 class Node:
     """One peer's P2P daemon and DHT node."""
 
@@ -154,6 +158,8 @@ class Node:
         self.authorizer = streams.authorizer
         self.membership: Membership | None = None
         self.relay_guard: RelayGuard | None = None
+        self.sign: Callable[[bytes], bytes] = _unsigned
+        """Signs with this peer's identity key (direct-connection hellos, net/tcp.py); set by ``create``."""
         self._tasks: list[asyncio.Task] = []
         """Background tasks this node owns (membership upkeep); ``shutdown()`` cancels them."""
         self._members: dict[str, float] = {}
@@ -252,6 +258,7 @@ class Node:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)  # the daemon has read its key
         node = cls(p2p, dht, config, reachability, streams)
+        node.sign = key.sign
         node._tasks.append(asyncio.create_task(node.keep_in_touch(), name="dedloc-keep-in-touch"))
         if authorizer.invite_only:
             node.membership = Membership(authorizer, node.key("revoked"), peer_id, config.revocations, node.store, node.get)

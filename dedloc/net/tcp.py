@@ -5,12 +5,18 @@ membership); only round streams take this path, and only between members of one 
 **Who may connect.** A round's leader draws a 32-byte secret for the round and hands it to every
 member over the authenticated, encrypted libp2p join stream (``Group.key``). A connection's first
 message, before any payload, is a hello ``{v, r: round id, f: from, t: to, n: 16 random bytes,
-p: protocol, m: HMAC-SHA256(key, "dedloc tcp hello" | r | p | f | t | n)}``; the server checks that the round is
-one it serves, that ``f`` is a member and ``t`` is itself, and the MAC (which covers the protocol
-``p`` too), then answers
-``{ok: HMAC(key, "dedloc tcp ok" | n)}`` (the client checks it) or ``{refused: reason}``
-(logged with the claimed peer id). Only a member of the round can open a stream; a member could
-claim another member's id (it knows the key), which gains it nothing it could not send as itself.
+p: protocol, m: HMAC-SHA256(key, "dedloc tcp hello" | r | p | f | t | n), s: f's Ed25519
+signature over the same}``. The server checks, in this order: that ``t`` is itself; the signature,
+against the key inside ``f`` (every member shares the round's secret, so the MAC alone let a
+member claim another's id: an aggregator then refused the real member's contribution as late);
+that ``f`` is a member of the run (its invitation, auth/authorizer.py); that the nonce ``n`` was
+not seen in the last ``NONCE_TTL`` seconds (a hello replayed byte for byte on a plaintext
+connection let a non-member download the state); ``f``'s connection budget; and only then that
+the round is one it serves (it may wait briefly for it to start, holding one of ``f``'s
+connections), that ``f`` is a member of it, and the MAC (which covers the protocol ``p`` too).
+It answers ``{ok: HMAC(key, "dedloc tcp ok" | n)}`` (the client checks it) or ``{refused:
+reason}``. A refusal before ``f`` is proven a member is logged under the connecting address, not
+the claimed id: invented ids cost one WARNING per address per minute.
 
 Streams outside rounds (state transfer, probes) are admitted the same way under a **grant**: a
 secret this peer draws for one peer and a set of protocols, handed to it over an authenticated
@@ -37,6 +43,7 @@ The server owns one task per connection; ``close()`` stops listening, cancels th
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime
 import functools
 import hashlib
@@ -51,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
@@ -59,6 +67,7 @@ from hivemind.p2p import PeerID
 from dedloc.errors import ProtocolError
 from dedloc.logs import PerPeerWarnings
 from dedloc.net.direct_stream import DirectProtocol
+from dedloc.net.identity import public_key_of
 from dedloc.net.limits import PeerLimits
 from dedloc.net.rpc import read_message, wait_peer_closed, write_message
 from dedloc.net.transport import Handler, PeerSilent, Refused, StreamPair, Transport, serve_stream
@@ -70,6 +79,9 @@ MAX_HELLO = 1024
 CONNECT_WAIT = 3.0
 """Longest a connection (TCP and TLS handshake) may take before the pair falls back to libp2p."""
 HELLO_WAIT = 5.0
+NONCE_TTL = 600.0
+"""How long a hello's nonce is remembered (longer than a round or a grant lives)."""
+MAX_NONCES = 1 << 20
 RETRY_AFTER_S = 60.0
 READ_LIMIT = 1 << 20
 """asyncio's reader buffer before it pauses the socket (its 64 KiB default cost TLS reads a pause per 128 KiB)."""
@@ -79,7 +91,7 @@ RATE_PER_PEER = 100.0
 BURST_PER_PEER = 400.0
 GRANT_TTL = 120.0
 """How long a grant (net/peer_connections.py) admits its peer's connections."""
-_HELLO, _OK = b"dedloc tcp hello\x00", b"dedloc tcp ok\x00"
+_HELLO, _OK, _SIGNED = b"dedloc tcp hello\x00", b"dedloc tcp ok\x00", b"dedloc tcp hello signed\x00"
 
 RoundKeys = Callable[[bytes], Awaitable["tuple[bytes, frozenset[str]] | None"]]
 """``keys(round_id)``: the round's secret and its members' peer ids, once this peer serves the round
@@ -159,11 +171,22 @@ class _Info:
     addr: Any
 
 
-class DirectTCP:
-    """This peer's direct connections: a listener (if it is reachable) and the client side."""
+def _signed(r: bytes, p: str, f: str, t: str, n: bytes) -> bytes:
+    return b"".join(len(b).to_bytes(4, "big") + b for b in (_SIGNED, r, p.encode(), f.encode(), t.encode(), n))
 
-    def __init__(self, me: str, encryption: bool = True):
+
+class DirectTCP:
+    """This peer's direct connections: a listener (if it is reachable) and the client side.
+
+    ``sign``: this peer's identity key's signing function (its hellos carry the signature, and
+    hellos it serves must carry their sender's); None only for the transport's own tests, which
+    run without identities. ``admits(peer)``: whether a peer is a member of the run."""
+
+    def __init__(self, me: str, encryption: bool = True, sign: Callable[[bytes], bytes] | None = None,
+                 admits: Callable[[str], bool] | None = None):
         self.me, self.encryption = me, encryption
+        self._sign, self._admits = sign, admits or (lambda peer: True)
+        self._nonces: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._cert = _Certificate()
         self.endpoint: Endpoint | None = None
         """Where others connect (None: this peer does not listen, e.g. in client mode)."""
@@ -234,20 +257,33 @@ class DirectTCP:
 
         async def admit() -> tuple[Any, Callable[[], None]]:
             nonlocal handler
-            claimed = "an unnamed peer"
+            claimed = f"address {addr[0] if addr else 'unknown'}"  # who is refused, until a signature says
+            budget = None
             try:
                 _tune(writer)
                 hello = await asyncio.wait_for(read_message(reader, MAX_HELLO), HELLO_WAIT)
                 if not isinstance(hello, dict) or hello.get("v") != VERSION:
                     raise ProtocolError(f"not a dedloc direct-connection hello (version {VERSION})")
-                r, p, f, t, n, m = (hello.get(k) for k in ("r", "p", "f", "t", "n", "m"))
+                r, p, f, t, n, m, s = (hello.get(k) for k in ("r", "p", "f", "t", "n", "m", "s"))
                 if not (isinstance(r, bytes) and isinstance(p, str) and isinstance(f, str) and isinstance(t, str)
                         and isinstance(n, bytes) and isinstance(m, bytes) and len(r) == 16 and len(n) == 16
-                        and len(f) <= 128):
+                        and len(f) <= 128 and len(p) <= 128 and (s is None or isinstance(s, bytes) and len(s) <= 64)):
                     raise ProtocolError("malformed hello")
-                claimed = f
                 if t != self.me:
                     raise ProtocolError(f"the hello is addressed to {t}, not to this peer")
+                if self._sign is not None:
+                    try:
+                        public_key_of(f).verify(s or b"", _signed(r, p, f, t, n))
+                    except (ValueError, InvalidSignature):
+                        raise ProtocolError(f"the hello is not signed by {f}, the peer it names") from None
+                if not self._admits(f):
+                    raise ProtocolError(f"{f} is not a member of this run (no invitation it has shown this peer)")
+                if self._sign is not None:
+                    claimed = f  # a member, proven by its signature
+                self._remember(r + n)
+                budget = self._limits.acquire(f)
+                if budget is None:
+                    raise ProtocolError(f"too many direct connections from this peer ({self._limits.describe()})")
                 handler = self._handlers.get(p)
                 if handler is None:
                     raise ProtocolError(f"this peer serves no {p!r} over direct connections")
@@ -256,10 +292,11 @@ class DirectTCP:
                     raise ProtocolError(f"{f} is not a member of this round (or the holder of this grant)")
                 if not hmac.compare_digest(m, _mac(key, _HELLO, r, p, f, t, n)):
                     raise ProtocolError("the hello's MAC does not check with the round's (or grant's) key")
-                budget = self._limits.acquire(f)
-                if budget is None:
-                    raise ProtocolError(f"too many direct connections from this peer ({self._limits.describe()})")
+                claimed = f
             except ProtocolError as e:
+                if budget is not None:
+                    self._limits.release(budget)
+
                 async def answer(why: str = str(e)) -> None:
                     await write_message(writer, {"refused": why})
                     await wait_peer_closed(reader, HELLO_WAIT)
@@ -273,6 +310,18 @@ class DirectTCP:
             return await handler(info, r, w)
 
         await serve_stream("direct", admit, handle, reader, writer, CLOSE_WAIT, self._warnings, logger)
+
+    def _remember(self, nonce: bytes) -> None:
+        """Admit a hello's (round or grant id, nonce) once within NONCE_TTL (ProtocolError for a replay;
+        a full memory refuses too, rather than forget a nonce still in its window)."""
+        now = time.monotonic()
+        while self._nonces and next(iter(self._nonces.values())) < now:
+            self._nonces.popitem(last=False)
+        if nonce in self._nonces:
+            raise ProtocolError("the hello was already received (a replay)")
+        if len(self._nonces) >= MAX_NONCES:
+            raise ProtocolError(f"this peer remembers {MAX_NONCES} recent hellos already")
+        self._nonces[nonce] = now + NONCE_TTL
 
     # ---- connecting ---------------------------------------------------------------------------------
     def usable(self, peer_id: str) -> bool:
@@ -308,9 +357,11 @@ class DirectTCP:
                 if hashlib.sha256(der or b"").hexdigest() != endpoint.fingerprint:
                     raise ProtocolError("its certificate is not the one its group names")
             nonce = os.urandom(16)
-            await write_message(writer, {"v": VERSION, "r": round_id, "p": protocol, "f": self.me, "t": peer_id,
-                                         "n": nonce, "m": _mac(key, _HELLO, round_id, protocol, self.me, peer_id,
-                                                               nonce)})
+            hello = {"v": VERSION, "r": round_id, "p": protocol, "f": self.me, "t": peer_id, "n": nonce,
+                     "m": _mac(key, _HELLO, round_id, protocol, self.me, peer_id, nonce)}
+            if self._sign is not None:
+                hello["s"] = self._sign(_signed(round_id, protocol, self.me, peer_id, nonce))
+            await write_message(writer, hello)
             answer = await asyncio.wait_for(read_message(reader, MAX_HELLO), HELLO_WAIT)
             if isinstance(answer, dict) and isinstance(answer.get("refused"), str):
                 raise ProtocolError(f"it refused: {answer['refused'][:200]}")
