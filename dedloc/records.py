@@ -385,8 +385,11 @@ class ClosedRecord:
         if isinstance(obj, dict) and isinstance(obj.get("until"), (int, float)) and not isinstance(obj["until"], bool) \
                 and math.isfinite(obj["until"]):
             until, obj = float(obj["until"]), obj.get("members")
-        if isinstance(obj, list) and len(obj) <= MAX_MEMBERS and all(isinstance(m, str) for m in obj):
+        if isinstance(obj, list) and len(obj) <= MAX_MEMBERS and all(isinstance(m, str) for m in obj) \
+                and leader in obj:
             return cls(leader, tuple(obj), until)
+        # (a leader is a member of the group it closes: a member's record closing an empty group made
+        # every peer miss the step)
         logger.debug(f"ignoring malformed closed record of {leader}")
         return None
 
