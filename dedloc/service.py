@@ -223,7 +223,11 @@ class PeerService:
         if not set(names) <= MONITORED:
             raise DedlocError(f"only {sorted(MONITORED)} can be read, not {sorted(set(names) - MONITORED)}")
         found = await asyncio.gather(*(self.node.get(self.node.key(n)) for n in names))
-        return {n: {k: v for k, (v, _) in f.items()} for n, f in zip(names, found)}
+        out = {n: {k: v for k, (v, _) in f.items()} for n, f in zip(names, found)}
+        if "progress" in out:  # a member's claim of the backbone role shows as nobody's (``_counted``)
+            out["progress"] = {k: v for k, v in out["progress"].items()
+                               if (r := ProgressRecord.from_wire(k, v)) is None or _counted(self.node, r)}
+        return out
 
     async def publish_record(self, name: str, value: Any, ttl: float) -> bool:
         """Store ``value`` under this peer's subkey of the run's record ``name`` (only ``ledger``)."""
