@@ -150,15 +150,24 @@ class CollaborationView:
         when all of them are."""
         backbones = [r.step for r in self.peers if r.role == Role.BACKBONE]
         holders = [r for r in self.peers if r.role.trains]
-        settled = [r for r in holders if not r.syncing] or holders
-        servers = [r.step for r in settled if r.role == Role.TRAINER]
-        steps = sorted((r.step for r in settled), reverse=True)
-        quorum = min(ATTEST, len(steps) + len(backbones))
-        for reached, step in enumerate(steps, start=1):  # ``reached`` holders are at ``step`` or past it
-            if servers and step > max(servers):
-                continue
-            if reached + sum(step < b + HISTORY for b in backbones) >= quorum:
-                return max([step, *backbones])
+        # a resyncing trainer still serves the state it holds: with only clients settled past it, they
+        # are not the run (a CI test: the client alone made the step the lone trainer's resync chased)
+        servable = max((r.step for r in holders if r.role == Role.TRAINER), default=None)
+
+        def attested(pool: list[ProgressRecord]) -> int | None:
+            steps = sorted((r.step for r in pool), reverse=True)
+            quorum = min(ATTEST, len(steps) + len(backbones))
+            for reached, step in enumerate(steps, start=1):  # ``reached`` holders are at ``step`` or past it
+                if servable is not None and step > servable:
+                    continue
+                if reached + sum(step < b + HISTORY for b in backbones) >= quorum:
+                    return max([step, *backbones])
+            return None
+
+        settled = [r for r in holders if not r.syncing]
+        for pool in (settled, holders) if settled else (holders,):
+            if (step := attested(pool)) is not None:
+                return step
         return max(backbones, default=0)
 
     @property

@@ -362,23 +362,26 @@ def test_a_newcomer_gets_the_state_while_rounds_outlast_compute():
         assert len(have) >= 2 and all(torch.equal(have[0], p) for p in have[1:]), f"peers differ after step {s}"
 
 
-def test_a_garbage_state_from_a_donor_is_refused_clearly():
+def test_a_garbage_state_from_the_runs_donors_is_refused_clearly():
     rid = run_id()
-    donor, newcomer = start(2, rid)
+    donors = start(2, rid)
+    newcomer = Peer(PeerConfig(run_id=rid, initial_peers=tuple(donors[0].maddrs)), AVG)
     try:
-        # the donor claims step 5 and serves bytes that are not a training state
-        donor.report(ProgressRecord(donor.peer_id, 5, 0, 1.0, Role.TRAINER, time=time.time()))
-        donor.offer_state(5, b"\x80not a state" * 100)
+        # two donors attest step 5 (one alone would not be the run's step) and serve bytes that are
+        # not a training state
+        for donor in donors:
+            donor.report(ProgressRecord(donor.peer_id, 5, 0, 1.0, Role.TRAINER, time=time.time()))
+            donor.offer_state(5, b"\x80not a state" * 100)
         model = make_model()
         before = flat(model)
         opt, _ = make_opt(model)
-        # the only donor's state is refused; the newcomer retries others until state_timeout
+        # every donor's state is refused; the newcomer retries others until state_timeout
         with pytest.raises(StateError, match="not a dedloc training state"):
             CollaborativeOptimizer(opt, newcomer, OptimizerConfig(target_batch_size=64, state_timeout=5), model=model)
         assert torch.equal(flat(model), before), "a refused state changed the model"
     finally:
-        donor.close()
-        newcomer.close()
+        for p in (*donors, newcomer):
+            p.close()
 
 
 @pytest.mark.timeout(240)

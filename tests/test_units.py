@@ -1,5 +1,6 @@
 """Pure unit tests: wire format, group maths, records, estimates, config validation."""
 
+from dataclasses import replace
 import asyncio
 import math
 
@@ -381,6 +382,20 @@ def test_the_global_step_is_led_by_peers_that_hold_the_state():
                                     ProgressRecord("bb", 300, 0, 0.0, Role.BACKBONE, time=now)], now=now)
     assert view.global_step == 320 and [r.peer_id for r in view.current] == ["t1"]
     assert CollaborationView.build([ProgressRecord("agg", 7, 0, 0.0, Role.AGGREGATOR)]).global_step == 0
+
+
+def test_a_client_past_the_only_trainer_is_not_the_run_while_that_trainer_resyncs():
+    """In CI (issue 38's first try) a trainer and a client took a step and the trainer left at once;
+    the other trainer, resyncing, left the client alone 'settled': its step became the run's, which
+    nobody could serve, and both waited forever. A resyncing trainer still serves what it holds."""
+    trainer = ProgressRecord("u", 0, 0, 1.0, Role.TRAINER, syncing=True)
+    client = ProgressRecord("c", 1, 0, 1.0, Role.CLIENT)
+    assert CollaborationView.build([trainer, client], now=0.0).global_step == 0
+    assert CollaborationView.build([replace(trainer, syncing=False), client], now=0.0).global_step == 0
+    # a resyncing trainer behind settled peers still does not hold the run back
+    ahead = [ProgressRecord("t1", 9, 0, 1.0, Role.TRAINER), ProgressRecord("t2", 9, 0, 1.0, Role.TRAINER)]
+    assert CollaborationView.build([trainer, client, *ahead], now=0.0).global_step == 9
+    assert CollaborationView.build([trainer, ahead[0]], now=0.0).global_step == 9
 
 
 def test_the_leaders_round_timeout_travels_with_the_group():
