@@ -97,7 +97,8 @@ def test_a_member_publishing_step_plus_1000_with_its_own_weights_is_adopted_by_n
 
     try:
         peers = [Peer(member(owner, tmp_path, f"honest{i}", **joined), AVG) for i in range(2)]
-        honest = [Trainer(i, p, cfg, micro=6, delay=0.02, steps=steps, gate=hold) for i, p in enumerate(peers)]
+        # the honest trainers go one step past the newcomer's last: it ends on a step they still hold
+        honest = [Trainer(i, p, cfg, micro=6, delay=0.02, steps=steps + 1, gate=hold) for i, p in enumerate(peers)]
         for t in honest:
             t.start()
         pause = threading.Event()
@@ -109,10 +110,10 @@ def test_a_member_publishing_step_plus_1000_with_its_own_weights_is_adopted_by_n
             usurpers[-1].start()
         for u in usurpers:
             assert u.publishing.wait(120) and u.error is None, f"the usurper failed: {u.error!r}"
-        attacking.set()
         peers.append(Peer(member(owner, tmp_path, "newcomer", **joined), AVG))
         newcomer = Trainer(2, peers[-1], cfg, micro=6, delay=0.02, steps=steps)
-        newcomer.start()
+        newcomer.start()  # it joins while the usurpers publish, before the honest trainers go on
+        attacking.set()
         join_all(honest + [newcomer], timeout=200)
     finally:
         attacking.set()
@@ -126,10 +127,10 @@ def test_a_member_publishing_step_plus_1000_with_its_own_weights_is_adopted_by_n
         backbone.close()
     evil = evil_model()
     for t in honest + [newcomer]:
-        assert max(t.params) == steps, f"trainer {t.index} jumped to step {max(t.params)}"
+        assert max(t.params) == (steps if t is newcomer else steps + 1), f"trainer {t.index} jumped to step {max(t.params)}"
         assert not any(torch.equal(v, evil) for v in t.params.values()), f"trainer {t.index} loaded the usurper's weights"
         assert torch.equal(t.params[steps], honest[0].params[steps])
-    assert backbone.step <= steps and all(s <= steps for s in backbone.store.steps())
+    assert backbone.step <= steps + 1 and all(s <= steps + 1 for s in backbone.store.steps())
     names = {u.peer.peer_id for u in usurpers}
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(usurpers[0].peer.peer_id in w and "attests" in w for w in warned), warned
