@@ -147,7 +147,8 @@ class CollaborationView:
         after a round failed for it) is not the run's: counting it sent every resync chasing a step
         no donor held. With no trainer alive, the clients are the collaboration. Aggregator-only
         peers hold no state and never count; peers downloading a state (``syncing``) count only
-        when all of them are."""
+        when the settled ones attest no step (a trainer among them still bounds it: it serves the
+        state it holds)."""
         backbones = [r.step for r in self.peers if r.role == Role.BACKBONE]
         holders = [r for r in self.peers if r.role.trains]
         # a resyncing trainer still serves the state it holds: with only clients settled past it, they
@@ -165,7 +166,7 @@ class CollaborationView:
             return None
 
         settled = [r for r in holders if not r.syncing]
-        for pool in (settled, holders) if settled else (holders,):
+        for pool in (settled, holders):  # resyncing peers count when the settled ones attest nothing
             if (step := attested(pool)) is not None:
                 return step
         return max(backbones, default=0)
