@@ -189,6 +189,18 @@ class CollaborationView:
         may publish ``step`` for minutes while they wait for a later state."""
         return tuple(r for r in self.peers if r.step == step and r.role.trains and not r.syncing)
 
+    def expected_at(self, step: int, me: str, last_round: tuple[str, ...] = ()) -> int:
+        """How many training peers a round of ``step`` waits for: this one, those accumulating for
+        ``step``, and the members of the round of ``step - 1`` (``last_round``) that still train, though
+        their records may not show ``step`` yet (a client that finished that round with the others
+        published its new record after the leader of the next one read the view: the leader closed
+        without it, and it had to resync). A member that left has no record; one that died keeps its
+        record, and its absence costs the gather window, as a stale record at ``step`` does."""
+        ids = {me} | {r.peer_id for r in self.trainers_at(step)}
+        ids |= {r.peer_id for r in self.peers
+                if r.peer_id in last_round and r.role.trains and not r.syncing and r.step <= step}
+        return len(ids)
+
     @property
     def aggregators(self) -> tuple[ProgressRecord, ...]:
         """Aggregator-only peers alive now (they join every round without contributing)."""

@@ -169,6 +169,21 @@ def test_records_view_and_validation():
         assert ProgressRecord.from_wire("x", bad) is None
 
 
+def test_a_client_whose_record_lags_the_round_it_finished_is_expected_at_the_next():
+    """In CI a leader read the view at step 1 before the client that had finished step 0 with it
+    published step 1: it expected 2 peers, closed without the client, and the client resynced. The
+    members of the last round are expected too (records.py ``expected_at``)."""
+    v = CollaborationView.build((ProgressRecord("a", 1, 40, 1.0, Role.TRAINER), ProgressRecord("b", 1, 30, 1.0, Role.TRAINER),
+                                 ProgressRecord("c", 0, 0, 1.0, Role.CLIENT),
+                                 ProgressRecord("agg", 0, 0, 0.0, Role.AGGREGATOR),
+                                 ProgressRecord("s", 0, 0, 1.0, Role.TRAINER, syncing=True),
+                                 ProgressRecord("far", 5, 0, 1.0, Role.TRAINER)), 1000.0)
+    assert v.expected_at(1, "a") == 2
+    assert v.expected_at(1, "a", ("a", "b", "c", "agg")) == 3  # the client; an aggregator counts apart
+    assert v.expected_at(1, "a", ("a", "b", "c", "s", "far", "gone")) == 3  # not the resyncing, the ahead, the left
+    assert v.expected_at(1, "new") == 3  # this peer, before its own record shows
+
+
 def test_one_members_far_step_is_not_the_runs():
     """At b122246 a member publishing step +1000 made it the global step: every peer downloaded its
     weights. The run's step is one that two training peers reached (records.py ``attested``)."""

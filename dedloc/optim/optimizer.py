@@ -90,6 +90,8 @@ class RoundRecord:
     contributors: tuple[str, ...] = ()
     """Peer ids with weight > 0 that no part this member saw excluded. Until the parts agree on one
     contributor set, a sender that died mid-round can be in some parts and not others."""
+    members: tuple[str, ...] = ()
+    """Peer ids of the round's group (contributing or not); the next round expects them."""
 
 
 @dataclass
@@ -331,7 +333,9 @@ class CollaborativeOptimizer:
         if self.on_contribute is not None:
             self.on_contribute(step, local_samples if weight > 0 else 0)
         started = time.monotonic()
-        expected = max(1, len(peers)) + len(view.aggregators)
+        last = self.history[-1] if self.history else None
+        expected = view.expected_at(step, me, last.members if last and last.step == step - 1 else ()) \
+            + len(view.aggregators)
         kwargs = dict(step=step, weight=weight, expected_peers=expected, gather_time=gather,
                       bounds=self._claims.weights(step, view))
         if self.config.delay_updates:
@@ -634,7 +638,8 @@ class CollaborativeOptimizer:
         contributors = tuple(stats["contributors"]) if "contributors" in stats else tuple(
             p for p, w in zip(stats.get("peers", ()), stats.get("weights", ())) if w > 0 and p not in excluded)
         record = RoundRecord(step, local_samples, float(stats.get("total_weight", local_samples)),
-                             int(stats.get("group_size", 1)), time.monotonic() - started, overflow, contributors)
+                             int(stats.get("group_size", 1)), time.monotonic() - started, overflow, contributors,
+                             tuple(stats.get("peers", ())))
         self.history.append(record)
         logger.info(f"step {step} averaged with {record.group_size} peers, batch {record.batch:.0f} samples, "
                     f"in {record.averaging_s:.2f} s" + (" (no member's gradient was finite: step skipped by all)"
