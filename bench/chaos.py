@@ -21,6 +21,15 @@ restarted with the aggregator as its initial peer. On a schedule drawn from ``--
   restarted while the backbone is down (it waits to join), and right after the backbone is back a
   never-seen peer joins through it (or, once ``--max-new`` have, a trainer restarts).
 
+``--partition``: every peer runs in a network namespace of its own, all on one bridge
+(dedloc/testing/netem.py), and every ~``--partition-every`` s the trainers are split into two
+halves for ``--split-s`` s, then healed: a random minority of the running trainers (fewer than
+half) reach only each other; the backbone and the aggregator stay with the rest. The history the
+run keeps is the larger side's (docs/optimizer.md, "Partitions"): the smaller side's steps while
+apart (``island``: until 60 s after the heal) leave the disagreement checks, and ``island_adopted``
+counts the larger side's applied states equal to one of them (the smaller side's history adopted:
+must be 0); ``partitions`` lists each split's side and steps.
+
 Prints one JSON line: ``steps``, ``lost_steps`` (steps after which live peers' parameters
 differed, plus trainers that raised instead of recovering), ``skipped_steps`` (lost by every
 member and skipped by all), ``longest_stall_s``, ``max_param_diff``, ``replay_max_diff`` (a
@@ -36,6 +45,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import random
 import signal
@@ -50,6 +60,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dedloc.testing import netem
 from dedloc.testing.procs import children, cli_command, session_pids, sessions_alive, stale_sockets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,6 +68,8 @@ sys.path.insert(0, HERE)
 import chaos_trainer as model_code  # noqa: E402  (the trainers' model, data and optimizer, for the replay)
 
 
+ISLAND_SETTLE_S = 60.0
+"""Seconds after a heal during which the smaller side's applied states still count as its own (``island``)."""
 LEVEL_WINDOW = 180.0
 """Seconds of RSS samples whose median is a process's level (``rss_growth``)."""
 
@@ -126,6 +139,49 @@ class Trainer:
     sessions: set[int] = field(default_factory=set)
 
 
+@dataclass
+class Split:
+    """One partition (``--partition``): the trainers moved to the smaller side, and when."""
+    trainers: list[int]
+    at: float
+    healed_at: float | None = None
+    rejoined: dict[int, float] = field(default_factory=dict)
+    """Trainer -> when it first applied a state of the kept history after the heal (``settle``)."""
+
+    def island(self, trainer: int, t: float) -> bool:
+        """Whether an event of ``trainer`` at ``t`` is the smaller side's while apart: before the
+        trainer rejoined the kept history (until ``settle`` ran: ``ISLAND_SETTLE_S`` after the heal)."""
+        if trainer not in self.trainers or t < self.at:
+            return False
+        if trainer in self.rejoined:
+            return t < self.rejoined[trainer]
+        return self.healed_at is None or t <= self.healed_at + ISLAND_SETTLE_S
+
+    def settle(self, applied: list[dict], kept: dict[int, bytes]) -> None:
+        """Find when each of its trainers rejoined: its first applied state after the heal that is the
+        kept history's (``kept``: step -> parameters' bytes)."""
+        for e in applied:
+            if e["trainer"] in self.trainers and e["trainer"] not in self.rejoined and self.healed_at is not None \
+                    and e["t"] >= self.healed_at and kept.get(e["applied"]) == _bytes(e["params"]):
+                self.rejoined[e["trainer"]] = e["t"]
+        for i in self.trainers:
+            self.rejoined.setdefault(i, math.inf)
+
+
+def _bytes(params: list[float]) -> bytes:
+    return torch.tensor(params).numpy().tobytes()
+
+
+def _majority(applied: list[dict]) -> dict[int, bytes]:
+    """Step -> the parameters most applied events of it hold (as bytes)."""
+    counts: dict[int, dict[bytes, int]] = {}
+    for e in applied:
+        by = counts.setdefault(e["applied"], {})
+        b = _bytes(e["params"])
+        by[b] = by.get(b, 0) + 1
+    return {k: max(c, key=c.get) for k, c in counts.items()}
+
+
 class Soak:
     def __init__(self, args: argparse.Namespace, workdir: str):
         self.args, self.dir = args, workdir
@@ -148,11 +204,27 @@ class Soak:
         self.aggregator_maddrs: list[str] = []
         self.sockets_before = set(glob.glob("/tmp/hivemind-*"))
         self.t0 = time.time()
+        self.splits: list[Split] = []
+        self.net: netem.Network | None = None
+        if args.partition:  # slot 0: the backbone, 1: the aggregator, 2 + i: trainer i
+            self.net = netem.Network([netem.Link()] * (2 + args.trainers + args.max_new))
+            self.port = 31337
+
+    def _slot(self, name: str) -> list[str]:
+        """The command prefix that runs ``name`` in its namespace (none without ``--partition``)."""
+        if self.net is None:
+            return []
+        slot = 0 if name == "backbone" else 1 if name == "aggregator" else 2 + int(name[len("trainer"):])
+        return self.net.exec_args(slot)
+
+    @property
+    def host(self) -> str:
+        return "127.0.0.1" if self.net is None else self.net.ip(0)
 
     # ---- processes ------------------------------------------------------------------------------------
     def _spawn(self, name: str, argv: list[str], pipe: bool = False) -> Proc:
         log = open(os.path.join(self.dir, f"{name}.log"), "a")
-        popen = subprocess.Popen(argv, stdout=subprocess.PIPE if pipe else log, stderr=log,
+        popen = subprocess.Popen(self._slot(name) + argv, stdout=subprocess.PIPE if pipe else log, stderr=log,
                                  stdin=subprocess.DEVNULL, text=True,
                                  start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.close()
@@ -178,7 +250,7 @@ class Soak:
 
     def start_backbone(self) -> None:
         """The backbone, as deployed: the same command line at every (re)start."""
-        extra = ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{self.port}", "--checkpoint-dir", os.path.join(self.dir, "ckpt")]
+        extra = ["--host-maddrs", f"/ip4/{self.host}/tcp/{self.port}", "--checkpoint-dir", os.path.join(self.dir, "ckpt")]
         if self.args.setup == "two-bootstraps":
             extra += ["--checkpoint-interval", "20"]
             if self.aggregator is not None:
@@ -326,6 +398,22 @@ class Soak:
             t.restart_at = now + self.rng.uniform(0.5, self.backbone_restart_at - now)
             self.count("kill9_while_backbone_down", f"trainer{t.index}.{t.incarnation}")
 
+    def split(self, now: float) -> None:
+        """Move a random minority of the running trainers (fewer than half) to a side of their own."""
+        running = self.running()
+        k = (len(running) - 1) // 2
+        if k < 1:
+            return
+        side = sorted(t.index for t in self.rng.sample(running, k))
+        self.net.split([2 + i for i in side])
+        self.splits.append(Split(side, now))
+        self.count("partition", " ".join(f"trainer{i}" for i in side))
+
+    def heal(self, now: float) -> None:
+        self.net.heal()
+        self.splits[-1].healed_at = now
+        self.note("healed the partition")
+
     def sample_rss(self) -> None:
         procs = [self.aggregator, self.backbone] + [t.proc for t in self.trainers if t.proc is not None]
         for p in procs:
@@ -361,6 +449,8 @@ class Soak:
         next_fault = warm + self.rng.uniform(0.6, 1.4) * args.fault_every
         next_backbone = start + self.rng.uniform(0.8, 1.2) * args.backbone_every
         next_rss = start
+        next_split = warm + self.rng.uniform(0.8, 1.2) * args.partition_every if args.partition else math.inf
+        heal_at = math.inf
         self.interrupted = False
         try:
             while time.time() < end:
@@ -371,6 +461,13 @@ class Soak:
                 if now >= next_backbone and self.backbone_restart_at is None:
                     self.kill_backbone(now)
                     next_backbone = now + self.rng.uniform(0.8, 1.2) * args.backbone_every
+                if now >= next_split:
+                    self.split(now)
+                    heal_at = now + args.split_s if self.splits and self.splits[-1].healed_at is None else math.inf
+                    next_split = now + args.split_s + self.rng.uniform(0.8, 1.2) * args.partition_every
+                if now >= heal_at:
+                    self.heal(now)
+                    heal_at = math.inf
                 if now >= next_rss:
                     self.sample_rss()
                     next_rss = now + 10
@@ -413,6 +510,8 @@ class Soak:
         deadline = time.monotonic() + 15  # killed runtimes take a moment to finish exiting
         while sessions_alive(self.sessions) and time.monotonic() < deadline:
             time.sleep(0.2)
+        if self.net is not None:
+            self.net.close()
 
     # ---- the checks -------------------------------------------------------------------------------------
     def analyse(self, start: float, end: float, warm: float) -> dict:
@@ -430,6 +529,15 @@ class Soak:
                     ev["trainer"] = t.index
                     events.append(ev)
         events.sort(key=lambda e: e["t"])
+        if self.splits:  # the kept history: what the trainers not apart (nor settling) applied
+            applied = [e for e in events if e["e"] == "applied"]
+            kept = _majority([e for e in applied if not any(sp.island(e["trainer"], e["t"]) for sp in self.splits)])
+            for sp in self.splits:
+                sp.settle(applied, kept)
+        islands = [e for e in events if e["e"] in ("applied", "round", "contrib")
+                   and any(sp.island(e["trainer"], e["t"]) for sp in self.splits)]
+        island_ids = {id(e) for e in islands}
+        events = [e for e in events if id(e) not in island_ids]
         peer_of = {(e["trainer"], e["inc"]): e["peer_id"] for e in events if e["e"] == "start"}
         params: dict[int, list[tuple[str, list[float]]]] = {}
         first_at: dict[int, float] = {}
@@ -465,6 +573,15 @@ class Soak:
         crashes = [f"trainer{e['trainer']}.{e['inc']}: {e['error']}" for e in events if e["e"] == "crash"
                    and "KeyboardInterrupt" not in e["error"]]
         replay = self.replay(events, peer_of, canonical, steps)
+        island_params = {(e["applied"], tuple(e["params"])) for e in islands if e["e"] == "applied"}
+        adopted = sorted({e["applied"] for e in events if e["e"] == "applied"
+                          and (e["applied"], tuple(e["params"])) in island_params
+                          and not torch.equal(torch.tensor(e["params"]), canonical[e["applied"]])})
+        partitions = [{"side": [f"trainer{i}" for i in sp.trainers], "from_s": round(sp.at - start, 1),
+                       "to_s": None if sp.healed_at is None else round(sp.healed_at - start, 1),
+                       "island_steps": sorted({e["applied"] for e in islands if e["e"] == "applied"
+                                               and e["trainer"] in sp.trainers and sp.island(e["trainer"], e["t"])})[:50]}
+                      for sp in self.splits]
         rounds = [e for e in events if e["e"] == "round" and not e["skipped"]]
         growth, grew, peak, peaked = rss_growth(self.rss, self.rss_names, start, end, warm)
         # socket files left by a daemon that died unclean (live ones belong to others: a test run alongside)
@@ -486,7 +603,8 @@ class Soak:
                 "rss_growth": round(growth, 3), "rss_growth_of": grew,
                 "rss_peak_growth": round(peak, 3), "rss_peak_of": peaked, "orphans": {"processes": sessions_alive(self.sessions),
                                                              "sockets": sockets},
-                "failures_injected": dict(sorted(self.injected.items())), "workdir": self.dir, "started_at": start}
+                "failures_injected": dict(sorted(self.injected.items())), "workdir": self.dir, "started_at": start,
+                **({"partitions": partitions, "island_adopted": adopted} if self.args.partition else {})}
 
     def replay(self, events: list[dict], peer_of: dict, canonical: dict[int, torch.Tensor], steps: int) -> dict:
         """Replay every step in one process from the logged contributions; compare with the peers'."""
@@ -576,9 +694,15 @@ def main() -> None:
     parser.add_argument("--mb-seconds", type=float, default=0.15, help="the fastest trainer's time per micro-batch")
     parser.add_argument("--fault-every", type=float, default=15.0)
     parser.add_argument("--backbone-every", type=float, default=300.0)
+    parser.add_argument("--partition", action="store_true",
+                        help="each peer in a network namespace; the trainers split in two now and then (see above)")
+    parser.add_argument("--partition-every", type=float, default=240.0, help="seconds between partitions")
+    parser.add_argument("--split-s", type=float, default=60.0, help="how long each partition lasts")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--workdir", default=None, help="logs and checkpoints (default: a new temporary folder)")
     args = parser.parse_args()
+    if args.partition and not (ok := netem.available())[0]:
+        parser.error(f"--partition: {ok[1]}")
     workdir = args.workdir or tempfile.mkdtemp(prefix="dedloc-chaos-")
     os.makedirs(workdir, exist_ok=True)
     soak = Soak(args, workdir)

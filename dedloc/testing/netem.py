@@ -124,6 +124,7 @@ class Network(Namespaces):
         self.links = links
         self._subnet = 10 + os.getpid() % 200
         self._split: set[int] = set()
+        self._second_bridge = False
         self._build_or_close()
 
     def ns(self, i: int) -> str:
@@ -164,9 +165,10 @@ class Network(Namespaces):
         """Partition the network: the peers in ``side`` reach each other and no one else (their ports
         move to a second bridge); ``heal()`` joins the halves again."""
         sw = ["ip", "-n", self.switch]
-        if not self._split:
+        if not self._second_bridge:  # made once: a heal leaves it empty for the next split
             _run(*sw, "link", "add", "br1", "type", "bridge")
             _run(*sw, "link", "set", "br1", "up")
+            self._second_bridge = True
         for i in side:
             _run(*sw, "link", "set", f"{self.prefix}b{i}", "master", "br1")
             self._split.add(i)
