@@ -148,8 +148,7 @@ def run(args: argparse.Namespace, attacking: bool, workdir: str) -> dict:
     backbone = Backbone(member("backbone", backbone=True),
                         BackboneConfig(checkpoint_dir=os.path.join(workdir, f"ckpt{int(attacking)}")), AVG)
     stop, done = threading.Event(), threading.Event()
-    pulling = threading.Thread(target=backbone.run, args=(stop,), daemon=True)
-    pulling.start()
+    pulling = backbone.in_background()
     joined = dict(initial_peers=tuple(backbone.maddrs))
     peers: list[Peer] = []
     log: list[str] = []
@@ -171,7 +170,7 @@ def run(args: argparse.Namespace, attacking: bool, workdir: str) -> dict:
     finally:
         stop.set()
         done.set()
-        pulling.join(30)
+        pulling.stop()
         for p in peers:
             p.close()
         backbone.close()

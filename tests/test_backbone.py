@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -70,9 +69,7 @@ def test_collaboration_stops_and_resumes_from_a_backbone_checkpoint(tmp_path):
     cfg = OptimizerConfig(target_batch_size=64)
     bcfg = BackboneConfig(checkpoint_dir=str(tmp_path), checkpoint_interval=0.2, keep_checkpoints=2)
     backbone = Backbone(PeerConfig(run_id=rid), bcfg, AVG)
-    stop = threading.Event()
-    pulling = threading.Thread(target=backbone.run, args=(stop,), daemon=True)
-    pulling.start()
+    pulling = backbone.in_background()
     first = []
     try:
         first = [Peer(PeerConfig(run_id=rid, initial_peers=tuple(backbone.maddrs)), AVG) for _ in range(2)]
@@ -81,8 +78,7 @@ def test_collaboration_stops_and_resumes_from_a_backbone_checkpoint(tmp_path):
             t.start()
         join_all(trainers, timeout=120)
     finally:
-        stop.set()
-        pulling.join(30)
+        pulling.stop()
         for p in first:
             p.close()
         backbone.close()

@@ -218,9 +218,8 @@ def test_a_peer_one_step_behind_a_backbones_checkpoint_downloads_it_after_the_ot
     rid = run_id()
     backbone = Backbone(PeerConfig(run_id=rid), BackboneConfig(checkpoint_dir=str(tmp_path), checkpoint_interval=0.3),
                         AVG)
-    stop, release = threading.Event(), threading.Event()
-    pulling = threading.Thread(target=backbone.run, args=(stop,), daemon=True)
-    pulling.start()
+    release = threading.Event()
+    pulling = backbone.in_background()
     peers: list[Peer] = []
     held_at = 3
 
@@ -245,8 +244,7 @@ def test_a_peer_one_step_behind_a_backbones_checkpoint_downloads_it_after_the_ot
         join_all([b], timeout=120)
     finally:
         release.set()
-        stop.set()
-        pulling.join(30)
+        pulling.stop()
         for p in peers:
             p.close()
         backbone.close()

@@ -78,9 +78,7 @@ def test_a_member_publishing_step_plus_1000_with_its_own_weights_is_adopted_by_n
     owner = RunOwner.init(str(tmp_path / "run"), run_id())
     backbone = Backbone(member(owner, tmp_path, "backbone", backbone=True),
                         BackboneConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=0.3), AVG)
-    stop = threading.Event()
-    pulling = threading.Thread(target=backbone.run, args=(stop,), daemon=True)
-    pulling.start()
+    pulling = backbone.in_background()
     joined = dict(initial_peers=tuple(backbone.maddrs))
     peers: list[Peer] = []
     usurpers: list[Usurper] = []
@@ -120,8 +118,7 @@ def test_a_member_publishing_step_plus_1000_with_its_own_weights_is_adopted_by_n
         for u in usurpers:
             u.stop.set()
             u.join(30)
-        stop.set()
-        pulling.join(30)
+        pulling.stop()
         for p in peers:
             p.close()
         backbone.close()

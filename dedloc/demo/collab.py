@@ -14,7 +14,6 @@ import dataclasses
 import multiprocessing as mp
 import queue as queue_mod
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,9 +159,7 @@ def run(cfg: DemoConfig, recipe: MLMRecipe | None = None, log_level: str = "WARN
                         AVERAGING)
     if backbone.dashboard is not None:
         console.print(f"dashboard: {backbone.dashboard.url}")
-    stop = threading.Event()
-    pulling = threading.Thread(target=backbone.run, args=(stop,), name="backbone", daemon=True)
-    pulling.start()
+    pulling = backbone.in_background()
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     release = ctx.Event()
@@ -211,14 +208,12 @@ def run(cfg: DemoConfig, recipe: MLMRecipe | None = None, log_level: str = "WARN
         console.print()  # the live table leaves the cursor on its last line
         if errors:
             raise DedlocError("; ".join(errors))
-        stop.set()
-        pulling.join(30)
+        pulling.stop()
         if backbone.pull():
             console.print(f"final checkpoint: step {backbone.step} in {ckpt_dir}")
     finally:
-        stop.set()
         release.set()
-        pulling.join(30)
+        pulling.stop()
         for p in procs:
             p.join(30)
             if p.is_alive():

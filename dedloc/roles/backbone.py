@@ -291,6 +291,10 @@ class Backbone:
             stop.wait(LOOK_EVERY if self.refinding_since is not None else
                       min(refresh, max(0.05, next_pull - time.monotonic())))
 
+    def in_background(self) -> "Pulling":
+        """Run :meth:`run` in a daemon thread until the handle's ``stop()``."""
+        return Pulling(self)
+
     def close(self) -> None:
         """Stop serving; a last read of the run's progress first records in the run memory whether
         trainers are still live (then a restart looks for them before serving its checkpoint)."""
@@ -302,3 +306,16 @@ class Backbone:
             logger.debug(f"no last read of the run's progress: {e!r}")
         self.peer.close()
 
+
+class Pulling:
+    """A backbone's :meth:`Backbone.run` in a daemon thread (``Backbone.in_background``)."""
+
+    def __init__(self, backbone: Backbone):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=backbone.run, args=(self._stop,), name="backbone", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the loop after its current pull, waiting up to ``timeout`` s (idempotent)."""
+        self._stop.set()
+        self._thread.join(timeout)
