@@ -24,11 +24,14 @@ restarted with the aggregator as its initial peer. On a schedule drawn from ``--
 ``--partition``: every peer runs in a network namespace of its own, all on one bridge
 (dedloc/testing/netem.py), and every ~``--partition-every`` s the trainers are split into two
 halves for ``--split-s`` s, then healed: a random minority of the running trainers (fewer than
-half) reach only each other; the backbone and the aggregator stay with the rest. The history the
-run keeps is the larger side's (docs/optimizer.md, "Partitions"): the smaller side's steps while
-apart (``island``: until 60 s after the heal) leave the disagreement checks, and ``island_adopted``
-counts the larger side's applied states equal to one of them (the smaller side's history adopted:
-must be 0); ``partitions`` lists each split's side and steps.
+half when cut off) reach only each other; the backbone and the aggregator stay with the rest. The
+analysis takes the rest's history as the one kept: the cut-off side's events while apart
+(``island``: until each of its trainers first applies a state of that history after the heal)
+leave the disagreement checks and the replay, and ``island_adopted`` counts the rest's applied
+states equal to one of them (must be 0); ``partitions`` lists each split's side and steps. The run
+keeps the side with more live trainers at the heal (docs/optimizer.md, "Partitions"), which can be
+the cut-off one when the others were frozen or killed meanwhile; then the replay stops where the
+kept side's rounds are missing (``replay_gap_at``) and ``island_adopted`` cannot see it.
 
 Prints one JSON line: ``steps``, ``lost_steps`` (steps after which live peers' parameters
 differed, plus trainers that raised instead of recovering), ``skipped_steps`` (lost by every
@@ -398,16 +401,18 @@ class Soak:
             t.restart_at = now + self.rng.uniform(0.5, self.backbone_restart_at - now)
             self.count("kill9_while_backbone_down", f"trainer{t.index}.{t.incarnation}")
 
-    def split(self, now: float) -> None:
-        """Move a random minority of the running trainers (fewer than half) to a side of their own."""
+    def split(self, now: float) -> bool:
+        """Move a random minority of the running trainers (fewer than half) to a side of their own;
+        False if too few run."""
         running = self.running()
         k = (len(running) - 1) // 2
         if k < 1:
-            return
+            return False
         side = sorted(t.index for t in self.rng.sample(running, k))
         self.net.split([2 + i for i in side])
         self.splits.append(Split(side, now))
         self.count("partition", " ".join(f"trainer{i}" for i in side))
+        return True
 
     def heal(self, now: float) -> None:
         self.net.heal()
@@ -462,8 +467,7 @@ class Soak:
                     self.kill_backbone(now)
                     next_backbone = now + self.rng.uniform(0.8, 1.2) * args.backbone_every
                 if now >= next_split:
-                    self.split(now)
-                    heal_at = now + args.split_s if self.splits and self.splits[-1].healed_at is None else math.inf
+                    heal_at = now + args.split_s if self.split(now) else math.inf
                     next_split = now + args.split_s + self.rng.uniform(0.8, 1.2) * args.partition_every
                 if now >= heal_at:
                     self.heal(now)
@@ -554,14 +558,11 @@ class Soak:
                 last_applied[who] = e["applied"]
         steps = max(params, default=0)
         disagreed, max_diff = [], 0.0
+        majority = _majority([e for e in events if e["e"] == "applied"])
         canonical: dict[int, torch.Tensor] = {}
         for k, vs in sorted(params.items()):
             tensors = [torch.tensor(v) for _, v in vs]
-            counts: dict[bytes, int] = {}
-            for x in tensors:
-                counts[x.numpy().tobytes()] = counts.get(x.numpy().tobytes(), 0) + 1
-            majority = max(counts, key=counts.get)
-            canonical[k] = next(x for x in tensors if x.numpy().tobytes() == majority)
+            canonical[k] = next(x for x in tensors if x.numpy().tobytes() == majority[k])
             diff = max(float((x - y).abs().max()) for x in tensors for y in tensors)
             max_diff = max(max_diff, diff)
             if diff > 0:
@@ -573,10 +574,9 @@ class Soak:
         crashes = [f"trainer{e['trainer']}.{e['inc']}: {e['error']}" for e in events if e["e"] == "crash"
                    and "KeyboardInterrupt" not in e["error"]]
         replay = self.replay(events, peer_of, canonical, steps)
-        island_params = {(e["applied"], tuple(e["params"])) for e in islands if e["e"] == "applied"}
+        island_params = {(e["applied"], _bytes(e["params"])) for e in islands if e["e"] == "applied"}
         adopted = sorted({e["applied"] for e in events if e["e"] == "applied"
-                          and (e["applied"], tuple(e["params"])) in island_params
-                          and not torch.equal(torch.tensor(e["params"]), canonical[e["applied"]])})
+                          and (e["applied"], b := _bytes(e["params"])) in island_params and b != majority[e["applied"]]})
         partitions = [{"side": [f"trainer{i}" for i in sp.trainers], "from_s": round(sp.at - start, 1),
                        "to_s": None if sp.healed_at is None else round(sp.healed_at - start, 1),
                        "island_steps": sorted({e["applied"] for e in islands if e["e"] == "applied"
