@@ -25,13 +25,13 @@ restarted with the aggregator as its initial peer. On a schedule drawn from ``--
 (dedloc/testing/netem.py), and every ~``--partition-every`` s the trainers are split into two
 halves for ``--split-s`` s, then healed: a random minority of the running trainers (fewer than
 half when cut off) reach only each other; the backbone and the aggregator stay with the rest. The
-analysis takes the rest's history as the one kept: the cut-off side's events while apart
-(``island``: until each of its trainers first applies a state of that history after the heal)
-leave the disagreement checks and the replay, and ``island_adopted`` counts the rest's applied
-states equal to one of them (must be 0); ``partitions`` lists each split's side and steps. The run
-keeps the side with more live trainers at the heal (docs/optimizer.md, "Partitions"), which can be
-the cut-off one when the others were frozen or killed meanwhile; then the replay stops where the
-kept side's rounds are missing (``replay_gap_at``) and ``island_adopted`` cannot see it.
+run keeps the side with more live trainers at the heal (docs/optimizer.md, "Partitions"), which
+can be the cut-off one when the others were frozen or killed meanwhile: the analysis finds which
+side's history was kept by who downloaded whose states after the heal (``Split.decide``). The
+other side's events while apart (``island``: until each of its trainers first applies a state of
+the kept history after the heal) leave the disagreement checks and the replay, and
+``island_adopted`` counts kept-history states equal to one of them (must be 0); ``partitions``
+lists each split's island side (``cut_off_kept`` when it was the rest) and its steps.
 
 Prints one JSON line: ``steps``, ``lost_steps`` (steps after which live peers' parameters
 differed, plus trainers that raised instead of recovering), ``skipped_steps`` (lost by every
@@ -146,8 +146,10 @@ class Trainer:
 class Split:
     """One partition (``--partition``): the trainers moved to the smaller side, and when."""
     trainers: list[int]
+    """The island side: the trainers cut off, or the rest when the cut-off side's history was kept."""
     at: float
     healed_at: float | None = None
+    cut_off_kept: bool = False
     rejoined: dict[int, float] = field(default_factory=dict)
     """Trainer -> when it first applied a state of the kept history after the heal (``settle``)."""
 
@@ -159,6 +161,26 @@ class Split:
         if trainer in self.rejoined:
             return t < self.rejoined[trainer]
         return self.healed_at is None or t <= self.healed_at + ISLAND_SETTLE_S
+
+    def decide(self, applied: list[dict], everyone: list[int]) -> None:
+        """Which side's history the run kept: after the heal (within ``ISLAND_SETTLE_S``), the side
+        whose trainers downloaded states the other side's rounds made was the island. If that was
+        the rest, they become this split's island side (``cut_off_kept``)."""
+        if self.healed_at is None:
+            return
+        until = self.healed_at + ISLAND_SETTLE_S
+        cut, rest = set(self.trainers), set(everyone) - set(self.trainers)
+
+        def made(side: set[int]) -> set[tuple[int, bytes]]:  # states a side's rounds made while apart or settling
+            return {(e["applied"], _bytes(e["params"])) for e in applied
+                    if e["trainer"] in side and e.get("via") == "round" and self.at <= e["t"] <= until}
+
+        def took(side: set[int], made_by: set[tuple[int, bytes]]) -> int:
+            return sum(1 for e in applied if e["trainer"] in side and e.get("via") == "state"
+                       and self.healed_at <= e["t"] <= until and (e["applied"], _bytes(e["params"])) in made_by)
+
+        if took(rest, made(cut)) > took(cut, made(rest)):
+            self.trainers, self.cut_off_kept = sorted(rest), True
 
     def settle(self, applied: list[dict], kept: dict[int, bytes]) -> None:
         """Find when each of its trainers rejoined: its first applied state after the heal that is the
@@ -535,6 +557,8 @@ class Soak:
         events.sort(key=lambda e: e["t"])
         if self.splits:  # the kept history: what the trainers not apart (nor settling) applied
             applied = [e for e in events if e["e"] == "applied"]
+            for sp in self.splits:
+                sp.decide(applied, [t.index for t in self.trainers])
             kept = _majority([e for e in applied if not any(sp.island(e["trainer"], e["t"]) for sp in self.splits)])
             for sp in self.splits:
                 sp.settle(applied, kept)
@@ -577,7 +601,7 @@ class Soak:
         island_params = {(e["applied"], _bytes(e["params"])) for e in islands if e["e"] == "applied"}
         adopted = sorted({e["applied"] for e in events if e["e"] == "applied"
                           and (e["applied"], b := _bytes(e["params"])) in island_params and b != majority[e["applied"]]})
-        partitions = [{"side": [f"trainer{i}" for i in sp.trainers], "from_s": round(sp.at - start, 1),
+        partitions = [{"side": [f"trainer{i}" for i in sp.trainers], "cut_off_kept": sp.cut_off_kept, "from_s": round(sp.at - start, 1),
                        "to_s": None if sp.healed_at is None else round(sp.healed_at - start, 1),
                        "island_steps": sorted({e["applied"] for e in islands if e["e"] == "applied"
                                                and e["trainer"] in sp.trainers and sp.island(e["trainer"], e["t"])})[:50]}

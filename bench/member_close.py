@@ -1,6 +1,6 @@
 """A member takes each step alone: does the run adopt its parameters? (docs/security.md, issue 38)
 
-    python bench/member_close.py [--honest 3] [--steps 12] [--attack-at 3] [--timeout 240]
+    python bench/member_close.py [--honest 3] [--steps 12] [--attack-at 3] [--timeout 240] [--name-others]
 
 An invite-only run as the README deploys it (a backbone with a backbone invitation; every other
 peer's only initial peer is the backbone) with ``--honest`` honest trainers and one more member,
@@ -8,8 +8,10 @@ all training the chaos soak's MLP (bench/chaos_trainer.py) in this process. The 
 honestly until step ``--attack-at``; then, at each step the run attests, it stores a ``closed``
 record of a group of one (itself) for that step, sets its parameters to its own (every weight
 ``EVIL`` plus a step mark), publishes them as that step's update applied (its lineage continuing
-the run's) and serves them. Its service is the real one with one method added (``close_alone``:
-store that record under its own key); everything else is the library's code.
+the run's) and serves them (dedloc/testing/members.py). Its service is the real one with one method
+added (``close_alone``: store that record under its own key); everything else is the library's
+code. With ``--name-others`` its record names the honest trainers as members too at odd steps
+(without their join proofs, which it cannot make).
 
 Prints one JSON line for the attack and one for a baseline (the same member training honestly
 throughout): ``steps`` (the honest trainers' newest applied step), ``adopted_steps`` (applied
@@ -36,38 +38,12 @@ import chaos_trainer as model_code  # noqa: E402
 from dedloc.net.identity import create_identity  # noqa: E402
 from dedloc.auth.invitation import RunOwner  # noqa: E402
 from dedloc.config import AveragingConfig, BackboneConfig, OptimizerConfig, PeerConfig  # noqa: E402
-from dedloc.net.runtime import Runtime  # noqa: E402
 from dedloc.optim import CollaborativeOptimizer, StepOutcome  # noqa: E402
 from dedloc.peer import Peer  # noqa: E402
-from dedloc.records import ClosedRecord  # noqa: E402
 from dedloc.roles.backbone import Backbone  # noqa: E402
-from dedloc.service import PeerService  # noqa: E402
-from dedloc.state import lineage  # noqa: E402
+from dedloc.testing.members import AloneTaker, ClosingPeer, is_evil  # noqa: E402
 
-EVIL = 0.777
 AVG = AveragingConfig(matchmaking_time=2.0, averaging_timeout=20.0, probe_interval=0)
-
-
-class ClosingService(PeerService):
-    """The real peer service, plus one thing a malicious member can do with its own key."""
-
-    PUBLIC = PeerService.PUBLIC | {"close_alone"}
-
-    async def close_alone(self, step: int, seconds: float) -> None:
-        mm = self.averager.matchmaker
-        await mm._store_closed(step, ClosedRecord(mm.me, (mm.me,), time.time() + seconds))
-
-
-async def create(peer_config: PeerConfig, averaging_config: AveragingConfig) -> PeerService:
-    service = await PeerService.create(peer_config, averaging_config)
-    service.__class__ = ClosingService
-    return service
-
-
-class ClosingPeer(Peer):
-    def _start(self) -> Runtime:
-        return Runtime("member_close:create", (self.config, self.averaging),
-                       startup_timeout=self.config.startup_timeout, log_level=self.config.log_level)
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -104,36 +80,22 @@ class Honest(threading.Thread):
             self.error = e
 
 
-def attack(peer: Peer, attack_at: int, stop: threading.Event, attacking: bool, log: list[str]) -> None:
-    """Train honestly until ``attack_at``; then (``attacking``) take every attested step alone."""
+def attacker(peer: ClosingPeer, attack_at: int, attacking: bool, others) -> AloneTaker:
+    """The member: trains honestly until ``attack_at``; then (``attacking``) takes every attested step alone."""
     x, y = model_code.data()
     model = model_code.make_model()
-    sgd, sched = model_code.make_opt(model)
-    copt = CollaborativeOptimizer(sgd, peer, OptimizerConfig(target_batch_size=64), scheduler=sched, model=model)
+    sgd, _ = model_code.make_opt(model)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(99))
-    pos = 0
-    while not stop.is_set() and (copt.global_step < attack_at or not attacking):
-        ids = order[pos:pos + 8]
-        pos = (pos + 8) % (len(x) - 8)
-        torch.nn.functional.mse_loss(model(x[ids]), y[ids]).backward()
+    at = [0]
+
+    def micro_batch(m: torch.nn.Module) -> int:
+        ids = order[at[0]:at[0] + 8]
+        at[0] = (at[0] + 8) % (len(x) - 8)
+        torch.nn.functional.mse_loss(m(x[ids]), y[ids]).backward()
         time.sleep(0.03)
-        copt.step(len(ids))
-    while not stop.is_set():
-        view = copt._report(busy=False)
-        s = view.global_step
-        if copt.applied_step <= s:
-            peer.runtime.call("close_alone", s, 20.0)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.fill_(EVIL + 0.001 * s)
-            copt.global_step = copt.applied_step = s + 1
-            copt._fingerprint = copt._hash()
-            copt._lineage = lineage.extend(copt._lineage, copt._fingerprint)
-            copt.offer_state()
-            copt._report(busy=False)
-            log.append(f"took step {s} alone")
-        stop.wait(0.2)
-    copt.close()
+        return len(ids)
+
+    return AloneTaker(peer, model, sgd, OptimizerConfig(target_batch_size=64), micro_batch, attack_at, attacking, others)
 
 
 def run(args: argparse.Namespace, attacking: bool, workdir: str) -> dict:
@@ -141,24 +103,25 @@ def run(args: argparse.Namespace, attacking: bool, workdir: str) -> dict:
 
     def member(name: str, backbone: bool = False, **kw) -> PeerConfig:
         path = os.path.join(workdir, f"{name}{int(attacking)}.key")
-        return PeerConfig(run_id=owner.run_id, owner=owner.public, invite=owner.invite(create_identity(path), 86400.0,
+        return PeerConfig(run_id=owner.run_id, owner=owner.public, invite=owner.invite(create_identity(path), 7 * 86400.0,
                                                                                           backbone),
                           identity_path=path, **kw)
 
     backbone = Backbone(member("backbone", backbone=True),
                         BackboneConfig(checkpoint_dir=os.path.join(workdir, f"ckpt{int(attacking)}")), AVG)
-    stop, done = threading.Event(), threading.Event()
+    done = threading.Event()
     pulling = backbone.in_background()
     joined = dict(initial_peers=tuple(backbone.maddrs))
     peers: list[Peer] = []
-    log: list[str] = []
     started = time.monotonic()
+    evil: AloneTaker | None = None
     try:
         peers = [Peer(member(f"honest{i}", **joined), AVG) for i in range(args.honest)]
         peers.append(ClosingPeer(member("member", **joined), AVG))
         honest = [Honest(i, p, args.steps, done) for i, p in enumerate(peers[:-1])]
-        attacker = threading.Thread(target=attack, args=(peers[-1], args.attack_at, stop, attacking, log), daemon=True)
-        for t in honest + [attacker]:
+        evil = attacker(peers[-1], args.attack_at, attacking,
+                        (lambda: tuple(p.peer_id for p in peers[:-1])) if args.name_others else tuple)
+        for t in honest + [evil]:
             t.start()
         deadline = time.monotonic() + args.timeout
         for t in honest:
@@ -168,17 +131,20 @@ def run(args: argparse.Namespace, attacking: bool, workdir: str) -> dict:
         for t in honest:
             t.join(60)
     finally:
-        stop.set()
+        if evil is not None:
+            evil.stop.set()
         done.set()
         pulling.stop()
         for p in peers:
             p.close()
         backbone.close()
     seconds = time.monotonic() - started
-    adopted = sorted({s for t in honest for s, v in t.params.items() if float((v - EVIL).abs().max()) < 0.05})
+    evil.join(30)
+    adopted = sorted({s for t in honest for s, v in t.params.items() if is_evil(v)})
     return {"attack": attacking, "honest": args.honest, "steps": max(max(t.params, default=0) for t in honest),
             "adopted_steps": adopted, "honest_resyncs": sum(t.resyncs for t in honest),
-            "member_took_alone": len(log), "seconds": round(seconds, 1), "stalled": stalled,
+            "member_took_alone": len(evil.took), "member_error": repr(evil.error) if evil.error else None,
+            "seconds": round(seconds, 1), "stalled": stalled,
             "errors": [repr(t.error) for t in honest if t.error is not None]}
 
 
@@ -188,9 +154,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--attack-at", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--name-others", action="store_true",
+                        help="at odd steps its record names the honest peers as members too (without their proofs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")  # the member's service module
     with tempfile.TemporaryDirectory(prefix="dedloc-member-close-") as workdir:
         for attacking in (False, True):
             print(json.dumps(run(args, attacking, workdir)), flush=True)

@@ -136,8 +136,9 @@ class CollaborationView:
     def global_step(self) -> int:
         """The newest step the collaboration *attests*: the newest step that ``ATTEST`` attesters
         (all of them, if fewer) vouch for and a trainer can hand on, or that a backbone holds. A
-        training peer vouches for the steps up to its own; a backbone for the ``HISTORY`` steps past
-        its checkpoint (it pulls well before the run gets that far: a lone trainer stays the run).
+        training peer vouches for the steps up to its own; a backbone, while fewer than ``ATTEST``
+        trainers are alive, for the ``HISTORY`` steps past its checkpoint (it pulls well before the
+        run gets that far: a lone trainer stays the run).
         One member's record is its own claim: a member publishing step +1000 alone moves nothing,
         beside other trainers or beside a backbone (in an invite-only run the backbone role is
         itself checked against the member's invitation before its record gets here, service.py).
@@ -158,10 +159,14 @@ class CollaborationView:
         def attested(pool: list[ProgressRecord]) -> int | None:
             steps = sorted((r.step for r in pool), reverse=True)
             quorum = min(ATTEST, len(steps) + len(backbones))
+            # a backbone vouches only where the trainers are too few to attest a step themselves: beside
+            # honest trainers, a member publishing steps ahead of them was attested by the backbone alone
+            # (its checkpoint + HISTORY), and the run's step ran away from every state the others held
+            vouching = backbones if len(steps) < ATTEST else []
             for reached, step in enumerate(steps, start=1):  # ``reached`` holders are at ``step`` or past it
                 if servable is not None and step > servable:
                     continue
-                if reached + sum(step < b + HISTORY for b in backbones) >= quorum:
+                if reached + sum(step < b + HISTORY for b in vouching) >= quorum:
                     return max([step, *backbones])
             return None
 
@@ -383,6 +388,51 @@ class ReadyRecord:
                    n if isinstance(n, int) and 0 < n <= MAX_NUMEL else 0)
 
 
+def join_statement(run_id: str, step: int, leader: str, member: str, incarnation: str) -> bytes:
+    """What a member signs when it joins ``leader``'s group for ``step`` (its join request carries the
+    signature, and the leader's ``closed`` record lists it): the proof that this process of it
+    (``incarnation``: a restart under the same identity is another) joined that group."""
+    return b"".join(len(b).to_bytes(4, "big") + b for b in (b"dedloc-join-v1", run_id.encode(), str(step).encode(),
+                                                              leader.encode(), member.encode(), incarnation.encode()))
+
+
+@functools.lru_cache(maxsize=4096)
+def join_signed(run_id: str, step: int, leader: str, member: str, incarnation: str, signature: bytes) -> bool:
+    """Whether ``signature`` is ``member``'s over its join of ``leader``'s group for ``step`` (its
+    Ed25519 key is inside its peer id). Remembers the 4096 most recent answers: every read of a step's
+    ``closed`` records checks the same few."""
+    from dedloc.net.identity import public_key_of  # (the identity module pulls in hivemind)
+
+    try:
+        public_key_of(member).verify(signature, join_statement(run_id, step, leader, member, incarnation))
+        return True
+    except Exception:
+        return False
+
+
+MAX_SIGNATURE = 64
+"""Bytes of an Ed25519 signature."""
+MAX_INCARNATION = 32
+
+
+@dataclass(frozen=True)
+class JoinProof:
+    """A member's proof that it joined a leader's group for a step (``join_statement``)."""
+
+    incarnation: str
+    signature: bytes
+
+    def holds(self, run_id: str, step: int, leader: str, member: str) -> bool:
+        return join_signed(run_id, step, leader, member, self.incarnation, self.signature)
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> "JoinProof | None":
+        if isinstance(obj, (list, tuple)) and len(obj) == 2 and isinstance(obj[0], str) \
+                and len(obj[0]) <= MAX_INCARNATION and isinstance(obj[1], bytes) and len(obj[1]) == MAX_SIGNATURE:
+            return cls(obj[0], obj[1])
+        return None
+
+
 @dataclass(frozen=True)
 class ClosedRecord:
     """The group a leader closed for a step (``{run}.closed.{step}``, under the leader's subkey), or
@@ -393,23 +443,50 @@ class ClosedRecord:
     until: float | None = None
     """The round's deadline (wall clock, the leader's): once past, the record closes the step only
     if a member holds the step's update (averaging/matchmaking.py, rule 11). None: no deadline."""
+    proofs: tuple[tuple[str, JoinProof], ...] = ()
+    """``(member, its proof of joining)`` for the members other than the leader (``join_statement``);
+    a member listed without a valid one did not join as far as a reader can tell."""
 
     def to_wire(self) -> Any:
         if self.members is None:
             return {"failed": True}
-        return list(self.members) if self.until is None else {"members": list(self.members), "until": self.until}
+        out: dict[str, Any] = {"members": list(self.members)}
+        if self.until is not None:
+            out["until"] = self.until
+        if self.proofs:
+            out["sigs"] = {m: [p.incarnation, p.signature] for m, p in self.proofs}
+        return out
+
+    def proof(self, run_id: str, step: int, member: str) -> JoinProof | None:
+        """``member``'s valid proof of joining this group (None: it did not provably join)."""
+        p = dict(self.proofs).get(member)
+        return p if p is not None and member in (self.members or ()) and p.holds(run_id, step, self.leader, member) \
+            else None
+
+    def signed(self, run_id: str, step: int) -> frozenset[str]:
+        """The members that provably joined: the leader (the record is its own, signed as a DHT record)
+        and every member whose join proof verifies. A member cannot be listed into a group by anyone
+        else: a member's record naming honest peers it never led counts as a group of one."""
+        return frozenset([self.leader, *(m for m, _ in self.proofs if self.proof(run_id, step, m) is not None)])
 
     @classmethod
     def from_wire(cls, leader: str, obj: Any) -> "ClosedRecord | None":
         if isinstance(obj, dict) and obj.get("failed") is True:
             return cls(leader, None)
-        until = None
-        if isinstance(obj, dict) and isinstance(obj.get("until"), (int, float)) and not isinstance(obj["until"], bool) \
-                and math.isfinite(obj["until"]):
-            until, obj = float(obj["until"]), obj.get("members")
+        until, proofs = None, ()
+        if isinstance(obj, dict):
+            if isinstance(obj.get("until"), (int, float)) and not isinstance(obj["until"], bool) \
+                    and math.isfinite(obj["until"]):
+                until = float(obj["until"])
+            raw = obj.get("sigs", {})
+            if isinstance(raw, dict) and len(raw) <= MAX_MEMBERS:
+                proofs = tuple(sorted(((m, p) for m, v in raw.items()
+                                       if isinstance(m, str) and (p := JoinProof.from_wire(v)) is not None),
+                                      key=lambda mp: mp[0]))
+            obj = obj.get("members")
         if isinstance(obj, list) and len(obj) <= MAX_MEMBERS and all(isinstance(m, str) for m in obj) \
                 and leader in obj:
-            return cls(leader, tuple(obj), until)
+            return cls(leader, tuple(obj), until, proofs)
         # (a leader is a member of the group it closes: a member's record closing an empty group made
         # every peer miss the step)
         logger.debug(f"ignoring malformed closed record of {leader}")

@@ -970,8 +970,9 @@ def test_a_lead_that_ready_peers_never_joined_does_not_take_a_step_another_group
     The synchronous soak: two such leads of one closed the same step at once, each having looked
     before the other stored (two peers each stepped alone, and differed). Now a lead of one that
     ready peers never joined looks once more after it closed, and withdraws if it is outranked
-    (rule 9): here by a group of two whose record lands just after its own."""
-    from dedloc.records import ClosedRecord, Member, ReadyRecord
+    (rule 9): here by a group of two whose record lands just after its own (its member's signed join
+    in it: rule 13)."""
+    from dedloc.records import ClosedRecord, JoinProof, Member, ReadyRecord, join_statement
 
     rid = run_id()
     identity, closer, own = ordered_identities(tmp_path, 3)  # the late peer has the smallest id: it leads
@@ -995,7 +996,9 @@ def test_a_lead_that_ready_peers_never_joined_does_not_take_a_step_another_group
             else:  # the other group closed at the same moment: its record lands once the late peer's has
                 while late.peer_id not in await node.get(node.key("closed", 0)):
                     await asyncio.sleep(0.02)
-            await node.store(node.key("closed", 0), me, ClosedRecord(me, (me, other)).to_wire(), ttl=60)
+            joined = JoinProof("i", load_identity(own).sign(join_statement(rid, 0, me, other, "i")))  # rule 13
+            await node.store(node.key("closed", 0), me, ClosedRecord(me, (me, other), None, ((other, joined),)).to_wire(),
+                             ttl=60)
             stored.set()
         tasks.append(asyncio.create_task(closing()))
 

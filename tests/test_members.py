@@ -3,6 +3,7 @@ do"): each test is one attack that worked at b122246, with honest peers unaffect
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import logging
 import threading
@@ -10,16 +11,17 @@ import threading
 import pytest
 import torch
 
-from conftest import run_id
+from conftest import bare_node, run_id
 from dedloc.auth.invitation import RunOwner
-from dedloc.config import BackboneConfig, OptimizerConfig
+from dedloc.config import BackboneConfig, OptimizerConfig, PeerConfig
 from dedloc.optim.optimizer import CollaborativeOptimizer
 from dedloc.peer import Peer
 from dedloc.records import Role
 from dedloc.roles.backbone import Backbone
-from dedloc.state import lineage
+from dedloc.state import lineage, snapshot
 from test_membership import member
-from test_optimizer import AVG, Trainer, flat, join_all, make_model, make_opt
+from dedloc.testing.members import AloneTaker, ClosingPeer, is_evil
+from test_optimizer import AVG, N, Trainer, data, flat, join_all, make_model, make_opt
 
 EVIL = 0.777
 
@@ -133,6 +135,111 @@ def test_a_member_publishing_step_plus_1000_with_its_own_weights_is_adopted_by_n
     assert any(usurpers[0].peer.peer_id in w and "attests" in w for w in warned), warned
     assert f"peer {usurpers[1].peer.peer_id} publishes a backbone's record" in capfd.readouterr().err
     assert names  # both attacks ran
+
+
+@pytest.mark.timeout(300)
+def test_a_member_taking_each_step_alone_is_followed_by_nobody(tmp_path):
+    """Stop 46 (bench/member_close.py): a member stored, at each step the run attested, a ``closed``
+    record of a group of one (itself), and published and served that step's update applied with
+    parameters of its own: every honest trainer missed each step and loaded its parameters (27
+    resyncs in 12 steps). Now a group of one closes a step only for a peer that sees nobody else at
+    it (matchmaking rule 13); at odd steps its record also names the honest trainers as members,
+    without their signed joins, and still counts as a group of one. Nor does the backbone vouch
+    for the member's steps ahead of three trainers (the run's step ran to its checkpoint + 64)."""
+    torch.set_num_threads(1)
+    owner = RunOwner.init(str(tmp_path / "run"), run_id())
+    backbone = Backbone(member(owner, tmp_path, "backbone", backbone=True),
+                        BackboneConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=0.5), AVG)
+    pulling = backbone.in_background()
+    joined = dict(initial_peers=tuple(backbone.maddrs))
+    peers: list[Peer] = []
+    # the honest trainers take about a second per step: the member's record is stored before they are ready
+    steps, cfg = 9, OptimizerConfig(target_batch_size=96)
+    evil: AloneTaker | None = None
+    try:
+        peers = [Peer(member(owner, tmp_path, f"honest{i}", **joined), AVG) for i in range(3)]
+        honest = [Trainer(i, p, cfg, micro=6, delay=0.1, steps=steps) for i, p in enumerate(peers)]
+        peers.append(ClosingPeer(member(owner, tmp_path, "member", **joined), AVG))
+        x, y = data()
+        order = torch.randperm(N, generator=torch.Generator().manual_seed(99))
+        at = [0]
+
+        def micro_batch(model):
+            ids = order[at[0]:at[0] + 6]
+            at[0] = (at[0] + 6) % (N - 6)
+            torch.nn.functional.mse_loss(model(x[ids]), y[ids]).backward()
+            threading.Event().wait(0.02)
+            return len(ids)
+
+        model = make_model()
+        evil = AloneTaker(peers[-1], model, make_opt(model)[0], cfg, micro_batch, attack_at=2,
+                          others=lambda: tuple(p.peer_id for p in peers[:3]))
+        for t in [*honest, evil]:
+            t.start()
+        join_all(honest, timeout=200)
+    finally:
+        if evil is not None:
+            evil.stop.set()
+            evil.join(30)
+        pulling.stop()
+        for p in peers:
+            p.close()
+        backbone.close()
+    assert evil.error is None, f"the member failed: {evil.error!r}"
+    assert len(evil.took) >= 3, f"the member took only steps {evil.took} alone"
+    for t in honest:
+        assert max(t.params) == steps
+        assert not any(is_evil(v) for v in t.params.values()), f"trainer {t.index} loaded the member's weights"
+        assert t.opt.resyncs == 0 and t.opt.catchups == 0, f"trainer {t.index} missed steps the member took alone"
+        for s in range(steps + 1):
+            assert torch.equal(t.params[s], honest[0].params[s]), f"trainers differ at step {s}"
+    step, blob = backbone.store.latest()
+    model = snapshot.decode(blob)["model"]
+    assert step >= steps - 1 and not is_evil(torch.cat([v.reshape(-1) for v in model.values()])), \
+        f"the backbone checkpointed the member's step {step}"
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_answering_missed_without_a_group_that_closed_the_step_is_passed_over(tmp_path):
+    """A member with the smallest peer id leads; it answered every join ``missed``, and each joiner
+    took the step as missed and downloaded the only state past it (its own). Now a joiner checks
+    (matchmaking rule 13): here one joiner gets a bare ``missed``, the other a ``closed`` record of
+    the liar's group listing the joiner's own signed join (it never got that group); both find no
+    group that closed the step for them, pass the liar over and take the step together."""
+    from dedloc.net.identity import create_identity
+    from dedloc.records import Member, ReadyRecord
+
+    keys = sorted((create_identity(tmp_path / f"p{i}.key"), tmp_path / f"p{i}.key") for i in range(3))
+    (liar_id, liar_key), (a_id, a_key), (b_id, b_key) = keys
+    rid = run_id()
+    a = Peer(PeerConfig(run_id=rid, identity_path=str(a_key)), AVG)
+    b = Peer(PeerConfig(run_id=rid, identity_path=str(b_key), initial_peers=tuple(a.maddrs)), AVG)
+    asked: list[str] = []
+
+    async def lie(node, finished):
+        me = node.peer_id.to_base58()
+
+        async def answer(remote, request):
+            asked.append(remote.to_base58())
+            if remote.to_base58() == a_id:
+                return {"missed": True}
+            return {"missed": True, "held": True,
+                    "closed": {"members": [me, remote.to_base58()], "sigs": {remote.to_base58(): request["j"]}}}
+
+        await node.streams.serve_requests(f"dedloc.{rid}.join", answer)
+        await node.store(node.key("ready", 0), me, ReadyRecord(Member(me, 8.0, 1.0)).to_wire(), ttl=60)
+
+    try:
+        with bare_node(PeerConfig(run_id=rid, identity_path=str(liar_key), initial_peers=tuple(a.maddrs)), lie):
+            with cf.ThreadPoolExecutor(2) as pool:
+                runs = [pool.submit(p.average, torch.ones(4), step=0, weight=1.0, expected_peers=3, gather_time=2.0)
+                        for p in (a, b)]
+                stats = [r.result(timeout=90) for r in runs]
+    finally:
+        a.close()
+        b.close()
+    assert set(asked) == {a_id, b_id}, asked  # both asked the liar first
+    assert [s["group_size"] for s in stats] == [2, 2], stats
 
 
 def test_a_member_replaying_another_members_dht_request_800_times_gets_it_cut_off_no_more(tmp_path, caplog):

@@ -579,6 +579,40 @@ def test_ready_and_closed_records_round_trip_and_refuse_malformed_ones():
         assert ClosedRecord.from_wire("l", bad) is None, bad
 
 
+def test_a_closed_record_counts_only_the_members_whose_signed_join_it_holds():
+    """Stop 46: a member's record of a group of one took every step; naming honest peers it never
+    led would make it a group of two (matchmaking rule 13). A member is counted only with its
+    signature over (run, step, leader, its process), made by the key inside its peer id."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from dedloc.net.identity import peer_id_of
+    from dedloc.records import ClosedRecord, JoinProof, join_statement
+
+    keys = [ed25519.Ed25519PrivateKey.generate() for _ in range(3)]
+    leader, a, b = (peer_id_of(k.public_key()) for k in keys)
+
+    def proof(key, member, step=7, lead=leader, run="r", inc="i1"):
+        return JoinProof(inc, key.sign(join_statement(run, step, lead, member, inc)))
+
+    record = ClosedRecord(leader, (leader, a, b), 5.0, ((a, proof(keys[1], a)), (b, proof(keys[2], b))))
+    wire = ClosedRecord.from_wire(leader, record.to_wire())
+    assert wire == record and wire.signed("r", 7) == {leader, a, b}
+    assert wire.proof("r", 7, a).incarnation == "i1"
+    assert record.signed("r", 8) == {leader} and record.signed("other run", 7) == {leader}  # replayed elsewhere
+    forged = (
+        ((a, proof(keys[2], a)),),  # signed by another member's key
+        ((a, proof(keys[1], a, lead=b)),),  # its join of another leader
+        ((a, JoinProof("i2", proof(keys[1], a).signature)),),  # another process's claim on its signature
+        ((b, proof(keys[2], b)),),  # a valid proof of a member the record does not list
+    )
+    for proofs in forged:
+        assert ClosedRecord(leader, (leader, a), None, proofs).signed("r", 7) == {leader}, proofs
+    assert ClosedRecord(leader, (leader, a, b)).signed("r", 7) == {leader}  # names without proofs
+    for bad in ({"members": [leader], "sigs": {a: ["i", b"x" * 65]}}, {"members": [leader], "sigs": {a: "nope"}},
+                {"members": [leader], "sigs": {a: ["i" * 40, b"x" * 64]}}):
+        assert ClosedRecord.from_wire(leader, bad).proofs == (), bad
+
+
 def test_dedloc_debug_names_the_loggers_that_log_at_debug():
     import os
     import subprocess

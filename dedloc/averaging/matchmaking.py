@@ -43,6 +43,13 @@ Protocol (docs/averaging.md has the reasoning and the soak findings; the rule nu
 12. A peer runs each round at most once. A retry that its leader answers with the group whose round
    already failed here raises MatchmakingError: running it again would bring another weight into it.
    The step stays that group's until its round ends (rule 11) or fails at its leader (rule 5).
+13. A join carries its sender's signature over (run, step, leader, its incarnation), and the leader's
+   ``closed`` record lists them. A group closes the step for the peers it left out only if two or
+   more members provably joined it; a group of one closes it only for a peer that sees no other peer
+   ready or training at the step (it forms a larger group with them instead, which the lineage vote
+   then keeps). A ``missed`` answer carries the group's record; a follower that finds no group that
+   closed the step for it (in the answer, or in the records) passes the leader over (rule 4), and
+   one that finds its own proof of this process in it knows the leader lies.
 
 Guarantees: a peer is in at most one group per step (it sends at most one join whose outcome
 is unknown, and a leader's group is final once sent); every call returns or raises within
@@ -71,7 +78,7 @@ from dedloc.logs import OncePerStep, PerPeerWarnings
 from dedloc.net import rpc
 from dedloc.net.node import Node
 from dedloc.net.tcp import KEY_BYTES
-from dedloc.records import ClosedRecord, CollaborationView, ReadyRecord, Role
+from dedloc.records import ClosedRecord, CollaborationView, JoinProof, ReadyRecord, Role, join_statement
 
 logger = logging.getLogger(__name__)
 POLL = 0.05
@@ -109,6 +116,10 @@ class _Lead:
     """Whether a member of the closed group can hand its state on (see ``_holds_state``)."""
     timeouts: dict[str, float] = field(default_factory=dict)
     """Per joiner, the round timeout it asked for (``t``): the round gets the smallest (rule 3)."""
+    proofs: dict[str, JoinProof] = field(default_factory=dict)
+    """Per joiner, its signed proof of joining (the ``closed`` record lists them: rule 13)."""
+    record: ClosedRecord | None = None
+    """The ``closed`` record of this lead's group (sent with a ``missed`` answer: the asker checks it)."""
 
 
 def _holds_state(members: tuple[Member, ...]) -> bool:
@@ -294,8 +305,8 @@ class Matchmaker:
             logger.debug(f"could not read the progress records: {e!r}")
             return None
 
-    async def _standing(self, step: int, with_view: bool = False) -> tuple[dict[str, list[str]], CollaborationView | None]:
-        """The groups that close ``step`` (leader -> members; rule 11 drops those whose round is over
+    async def _standing(self, step: int, with_view: bool = False) -> tuple[dict[str, ClosedRecord], CollaborationView | None]:
+        """The groups that close ``step`` (leader -> its record; rule 11 drops those whose round is over
         with no member holding the step's update), and the progress records if they were read: with
         ``with_view``, or when a record's round is over (rule 11 needs them; most reads skip them)."""
         view = None
@@ -316,7 +327,7 @@ class Matchmaker:
                 logger.debug(f"step {step}: the round {r.leader} closed is over and no member holds its update: "
                              f"it closes nothing")
                 continue
-            out[r.leader] = list(r.members)
+            out[r.leader] = r
         return out, view
 
     async def _closed(self, step: int) -> list[ClosedRecord]:
@@ -333,14 +344,55 @@ class Matchmaker:
 
     async def closed_round(self, step: int) -> dict[str, list[str]]:
         """Leader -> members of every group that closes ``step`` (``_standing``)."""
-        return (await self._standing(step))[0]
+        return {leader: list(r.members) for leader, r in (await self._standing(step))[0].items()}
 
-    async def _why_missed(self, step: int, took: bool = False) -> str | None:
-        """Why this peer cannot take ``step`` any more (rule 4; rule 10 too with ``took``), None if it can."""
+    def _size(self, step: int, record: ClosedRecord) -> int:
+        """How many members provably joined ``record``'s group (the leader and every valid join proof)."""
+        return len(record.signed(self.node.config.run_id, step))
+
+    def _closes_for_me(self, step: int, record: ClosedRecord, ready: dict[str, Member] | None,
+                       view: CollaborationView | None) -> str | None:
+        """Why ``record`` closes ``step`` for this peer (None: it does not). Rule 13: a group closes the
+        step for the peers it left out only if two or more of its members provably joined it (their
+        signed join proofs); a group of one closes it only for a peer that sees no other peer it could
+        take the step with (``_partners``). One member storing a record of a group of one (itself) for
+        each step, and serving that step's update applied, made every honest peer miss the step and
+        download its parameters (issue 38)."""
+        run = self.node.config.run_id
+        if self.me in record.members:  # (listed without this peer's proof: the leader's word, harmless here)
+            mine = record.proof(run, step, self.me)
+            if mine is not None and mine.incarnation != self.incarnation:
+                return f"the round led by {record.leader} closed with an earlier process of this peer"
+            return None
+        if self._size(step, record) >= 2:
+            return f"the round led by {record.leader} closed without this peer"
+        if self._partners(step, record, ready, view):
+            return None
+        return f"the round led by {record.leader} closed without this peer (a group of one, and no other peer is at the step)"
+
+    def _partners(self, step: int, record: ClosedRecord, ready: dict[str, Member] | None,
+                  view: CollaborationView | None) -> set[str]:
+        """Peers outside ``record``'s proven group with which this peer could take ``step``: ready for it
+        (``ready``), or training at it by their progress records (``view``), with one of the group
+        able to hand the step on (a peer not in client mode)."""
+        out = {p for p, m in (ready or {}).items() if m.weight > 0 or not m.client}
+        if view is not None:
+            out |= {r.peer_id for r in view.trainers_at(step)}
+        out -= record.signed(self.node.config.run_id, step) | {self.me}
+        if self.client and not any(not ready[p].client for p in out if ready and p in ready) and \
+                not (view is not None and any(r.role == Role.TRAINER for r in view.peers if r.peer_id in out)):
+            return set()  # clients only: they could take the step for themselves alone (rule 4)
+        return out
+
+    async def _why_missed(self, step: int, took: bool = False, ready: dict[str, Member] | None = None) -> str | None:
+        """Why this peer cannot take ``step`` any more (rules 4 and 13; rule 10 too with ``took``), None
+        if it can. ``ready``: the ready peers it gathered (None: not yet)."""
         closed, view = await self._standing(step, with_view=took)
-        leader = next((leader for leader, members in closed.items() if self.me not in members), None)
-        if leader is not None:
-            return f"the round led by {leader} closed without this peer"
+        if view is None and any(self.me not in r.members and self._size(step, r) < 2 for r in closed.values()):
+            view = await self._view()  # a group of one: rule 13 asks who else is at the step
+        for leader, record in sorted(closed.items()):
+            if why := self._closes_for_me(step, record, ready, view):
+                return why
         if took and view is not None and view.took(step, exclude=self.me):
             return TOOK
         return None
@@ -397,7 +449,7 @@ class Matchmaker:
                                                                                        self._answer_by(step)):
                 break
             await asyncio.sleep(POLL)
-        missed = await self._why_missed(step)
+        missed = await self._why_missed(step, ready=ready)
         if missed:
             self._missed(step, missed)
         candidates = sorted(p for p, m in ready.items() if m.reachable)
@@ -407,7 +459,7 @@ class Matchmaker:
         if candidates[0] == self.me:
             group = await self._run_lead(step, me, expected_peers, loop.time() + t, numel, timeout)
         else:
-            group = await self._run_follow(step, me, candidates, loop.time() + 2 * t, gather, numel, timeout)
+            group = await self._run_follow(step, me, candidates, loop.time() + 2 * t, gather, numel, timeout, ready)
         # A group formed over longer than the ready record stored above lives is refused: this process
         # was suspended (a stopped laptop) and woke up to a step whose records had expired, so it could
         # only see itself, and would take the step alone.
@@ -454,7 +506,7 @@ class Matchmaker:
                 state.done.set()
                 self._note(step, f"down:{smaller[0]}", f"stepping down as leader for {smaller[0]}")
                 return await self._run_follow(step, me, smaller, loop.time() + 2 * self.config.matchmaking_time,
-                                              0.0, numel, timeout)
+                                              0.0, numel, timeout, ready)
             if set(ready) - unreachable <= set(state.members) and (not expected or len(state.members) >= expected):
                 break
             await asyncio.sleep(POLL)
@@ -489,7 +541,7 @@ class Matchmaker:
             # ready record reached them (it woke from a freeze, or its state download just ended),
             # whose closed record was not yet stored when this peer looked at the start. Taking the
             # step anyway would fork the collaboration (a group of one under delayed updates did).
-            await self._close_unless_taken(step, state, alone)
+            await self._close_unless_taken(step, state, alone, ready)
         if not _holds_state(tuple(state.members.values())):
             await self._leave_to_trainers(step, state, alone)
         members = tuple(sorted(state.members.values(), key=lambda m: m.peer_id))
@@ -505,9 +557,13 @@ class Matchmaker:
         until = time.time() + timeout  # taken now: this process may be frozen before it stores the record
         state.group = group
         state.held = _holds_state(members)
-        state.done.set()  # answer the joiners first: the record below can wait on a slow DHT
         if state.held:
-            stored = self._store_closed(step, ClosedRecord(self.me, tuple(m.peer_id for m in members), until))
+            state.record = ClosedRecord(self.me, tuple(m.peer_id for m in members), until,
+                                        tuple((m.peer_id, state.proofs[m.peer_id]) for m in members
+                                              if m.peer_id in state.proofs))
+        state.done.set()  # answer the joiners first: the record below can wait on a slow DHT
+        if state.record is not None:
+            stored = self._store_closed(step, state.record)
             if alone and unjoined:  # nobody waits on this lead, and its look after closing needs the record
                 await stored
                 await self._yield_if_outranked(step, state)
@@ -567,7 +623,7 @@ class Matchmaker:
             f"step {step}: left to the trainers at it ({', '.join(trainers)}): a group of clients and aggregators "
             f"only could not hand the state on"), held=False)
 
-    async def _close_unless_taken(self, step: int, state: _Lead, alone: bool) -> None:
+    async def _close_unless_taken(self, step: int, state: _Lead, alone: bool, ready: dict[str, Member]) -> None:
         """Before closing a lead that some ready peers never joined: if another group closed the step
         without this peer, tell its joiners they missed it and raise MissedRoundError (the closed
         group holds the step's state). With joiners waiting, the look is bounded by a quarter of
@@ -577,7 +633,7 @@ class Matchmaker:
         slow read let two peers each take the same step alone."""
         bound = self.config.matchmaking_time / (1 if alone else 4)
         try:
-            missed = await asyncio.wait_for(self._why_missed(step), bound)
+            missed = await asyncio.wait_for(self._why_missed(step, ready={**ready, **state.members}), bound)
         except Exception as e:
             if not alone:
                 logger.debug(f"step {step}: could not read the closed records before closing: {e!r}")
@@ -597,12 +653,12 @@ class Matchmaker:
         of one the smaller leader id wins. No member was told of this group, so withdrawing is free."""
         await asyncio.sleep(self.config.matchmaking_time / 4)
         try:
-            closed = await asyncio.wait_for(self.closed_round(step), self.config.matchmaking_time)
+            closed, _ = await asyncio.wait_for(self._standing(step), self.config.matchmaking_time)
         except Exception as e:
             logger.debug(f"step {step}: could not read the closed records after closing: {e!r}")
             return
-        winner = next((leader for leader, members in sorted(closed.items()) if self.me not in members
-                       and (len(members) > 1 or leader < self.me)), None)
+        winner = next((leader for leader, r in sorted(closed.items()) if self.me not in r.members
+                       and (self._size(step, r) > 1 or leader < self.me)), None)
         if winner is None:
             return
         logger.info(f"step {step}: {winner} closed the step at the same time as this peer's lead of one; "
@@ -638,13 +694,15 @@ class Matchmaker:
             step = int(request["step"])
             member = _parse_entry(peer, request)
             gather = min(max(float(request.get("g", 0.0)), 0.0), 600.0)
-            incarnation = str(request.get("i", ""))[:32]
+            proof = JoinProof.from_wire(request.get("j"))
             wants = _seconds(request.get("t"), 1.0, MAX_TIMEOUT)
             answer_within = _seconds(request.get("by"), 0.0, 600.0)
             if member is None or step < 0:
                 raise ProtocolError("malformed join request")
             if not self._newest - KEEP_STEPS <= step <= self._newest + JOIN_AHEAD:
                 raise ProtocolError(f"step {step} is not near this peer's step {self._newest}")
+            if proof is None or not proof.holds(self.node.config.run_id, step, self.me, peer):
+                raise ProtocolError("the join is not signed by its sender for this leader and step")
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
             self._refusals.warn(peer, f"refused join request from {peer}: {e}")
             return {"error": str(e)}
@@ -652,12 +710,13 @@ class Matchmaker:
         if answer_within is not None:  # the leader's work after closing is bounded by matchmaking_time / 2
             waiting[peer] = received + answer_within - ANSWER_MARGIN * self.config.matchmaking_time
         try:
-            return await self._answer_join(step, peer, member, gather, incarnation, wants)
+            return await self._answer_join(step, peer, member, gather, proof, wants)
         finally:
             waiting.pop(peer, None)
 
-    async def _answer_join(self, step: int, peer: str, member: Member, gather: float, incarnation: str,
+    async def _answer_join(self, step: int, peer: str, member: Member, gather: float, proof: JoinProof,
                            wants: float | None) -> dict[str, Any]:
+        incarnation = proof.incarnation
         try:
             await asyncio.wait_for(self._decision(step).wait(), 2 * self.config.matchmaking_time + gather)
         except asyncio.TimeoutError:
@@ -680,19 +739,43 @@ class Matchmaker:
             if state.group is not None and state.group.index(peer) is not None:
                 if state.incarnations.get(peer, incarnation) != incarnation:
                     logger.info(f"step {step}: {peer} restarted after joining; its new process joins the next step")
-                    return {"missed": True}
+                    return self._missed_answer(state)
                 return {"group": state.group.to_wire()}
-            return {"missed": True, "held": state.held}
+            return self._missed_answer(state)
         state.members[peer] = member
         state.incarnations[peer] = incarnation
+        state.proofs[peer] = proof
         if wants is not None:
             state.timeouts[peer] = wants
         await state.done.wait()
         if state.redirect:
             return {"redirect": state.redirect}
-        return {"group": state.group.to_wire()} if state.group else {"missed": True, "held": state.held}
+        return {"group": state.group.to_wire()} if state.group else self._missed_answer(state)
+
+    @staticmethod
+    def _missed_answer(state: _Lead) -> dict[str, Any]:
+        """``missed``, with the group's ``closed`` record when there is one: the asker checks it (rule 13)
+        rather than wait for the record to reach the DHT."""
+        return {"missed": True, "held": state.held,
+                **({"closed": state.record.to_wire()} if state.record is not None and state.group is not None else {})}
 
     # ---- follower --------------------------------------------------------------------------------
+    async def _missed_by(self, step: int, leader: str, record: Any, ready: dict[str, Member]) -> str | None:
+        """Why this peer missed ``step``, as its leader answered (rule 13): the group record the answer
+        carries, or what the ``closed`` and progress records show; None if nothing shows a group that
+        closed the step for this peer (the leader is then passed over, as one that could not be reached).
+        If the records cannot be read within ``matchmaking_time``, the leader's word stands."""
+        closed = ClosedRecord.from_wire(leader, record) if record is not None else None
+        if closed is not None and closed.members is not None:
+            view = await self._view() if self._size(step, closed) < 2 and self.me not in closed.members else None
+            if why := self._closes_for_me(step, closed, ready, view):
+                return why
+        try:
+            return await asyncio.wait_for(self._why_missed(step, took=True, ready=ready), self.config.matchmaking_time)
+        except Exception as e:
+            logger.debug(f"step {step}: could not read the records after {leader}'s missed answer: {e!r}")
+            return f"the round led by {leader} was already closed"
+
     async def _ask(self, step: int, leader: str, request: dict[str, Any], deadline: float) -> dict[str, Any] | None:
         """Send ``request`` to ``leader`` and return its answer; None if the request could not be
         delivered. A stream that broke after delivery raises ConnectionError/IncompleteReadError; any
@@ -721,10 +804,10 @@ class Matchmaker:
         return response
 
     async def _run_follow(self, step: int, me: Member, candidates: list[str], deadline: float,
-                          gather: float, numel: int, timeout: float) -> Group:
+                          gather: float, numel: int, timeout: float, ready: dict[str, Member]) -> Group:
         loop = asyncio.get_running_loop()
         self._decision(step).set()
-        request = {"v": VERSION, "step": step, **ReadyRecord(me).to_wire(), "g": gather, "i": self.incarnation,
+        request = {"v": VERSION, "step": step, **ReadyRecord(me).to_wire(), "g": gather,
                    "t": timeout}
         tried: set[str] = set()
         leader = candidates[0]
@@ -736,6 +819,8 @@ class Matchmaker:
             self._follow[step] = leader
             self._decision(step).set()
             tried.add(leader)
+            signed = join_statement(self.node.config.run_id, step, leader, self.me, self.incarnation)
+            request["j"] = [self.incarnation, self.node.sign(signed)]  # rule 13: the leader's record lists it
             try:
                 response = await self._ask(step, leader, request, deadline)
             except (ConnectionError, asyncio.IncompleteReadError) as e:
@@ -782,8 +867,13 @@ class Matchmaker:
                 self._note(step, f"failed:{leader}", f"{why}; forming another")
                 passed_over = f"{why}, and no other reachable peer is ready to lead"
             elif response.get("missed"):
-                raise MissedRoundError(f"step {step}: the round led by {leader} was already closed; "
-                                       f"join the next step")
+                why = await self._missed_by(step, leader, response.get("closed"), ready)
+                if why:
+                    raise _missed_error(step, why)
+                self._note(step, f"unproven:{leader}", f"{leader} answered that this peer missed the step, but no "
+                                                       f"group that closed it for this peer shows; forming another")
+                passed_over = f"{leader} answered missed without a group that closed the step, and no other " \
+                              f"reachable peer is ready to lead"
             else:
                 raise MatchmakingError(f"step {step}: leader {leader} refused: {response.get('error')}")
             # this leader is passed over for the step (every peer that asks it is, alike): the next one leads
@@ -802,6 +892,7 @@ class Matchmaker:
                 try:  # and by what they see now: a ready record slow to spread (the frozen node is a DHT node too)
                     fresh = await asyncio.wait_for(self._ready(step, me), self.config.matchmaking_time / 2)
                     candidates = sorted(set(candidates) | {p for p, m in fresh.items() if m.reachable})
+                    ready = {**ready, **fresh}
                 except Exception as e:
                     logger.debug(f"step {step}: could not read the ready records again: {e!r}")
             rest = [c for c in candidates if c not in tried and c != self.me]
