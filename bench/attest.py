@@ -1,8 +1,10 @@
 """What the attested step costs (issue 38): the run's step from ``ATTEST`` vouching peers
 (records.py ``CollaborationView.global_step``) against the largest claim (the rule at b122246,
-re-stated here as the baseline), per view of n peers; and what a signed direct-connection hello
-adds per connection (net/tcp.py). The attestation reads the progress records every peer already
-publishes: it adds no DHT record, request or byte per step.
+re-stated here as the baseline), per view of n peers; what a signed direct-connection hello
+adds per connection (net/tcp.py); and what signed joins add per step (matchmaking rule 13: one
+signature per joiner, one check per join at the leader and per proof at each reader, and the
+proofs' bytes in the ``closed`` record). The attestation reads the progress records every peer
+already publishes: it adds no DHT record or request per step.
 
     python bench/attest.py            # prints one JSON object
 """
@@ -11,11 +13,12 @@ import json
 import random
 import time
 
+import msgpack
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from dedloc.net.identity import peer_id_of, public_key_of
 from dedloc.net.tcp import _signed
-from dedloc.records import CollaborationView, ProgressRecord, Role
+from dedloc.records import ClosedRecord, CollaborationView, JoinProof, ProgressRecord, Role, join_signed, join_statement
 
 
 def largest_claim(view: CollaborationView) -> int:
@@ -44,6 +47,33 @@ def per_view(rule, recs_list) -> float:
     return (time.perf_counter() - t0) / len(recs_list)
 
 
+def closed_record_cost(n: int) -> dict:
+    """Matchmaking rule 13 for a group of ``n``: each joiner signs its join once, the leader checks
+    each join's signature, and the group's ``closed`` record carries the ``n - 1`` proofs (bytes
+    against the same record without them); a reader checks them once per record (cached after)."""
+    keys = [ed25519.Ed25519PrivateKey.generate() for _ in range(n)]
+    ids = [peer_id_of(k.public_key()) for k in keys]
+    leader, step, inc = ids[0], 0, "0123456789abcdef"
+    t0 = time.perf_counter()
+    proofs = tuple((m, JoinProof(inc, k.sign(join_statement("run", step, leader, m, inc, True))))
+                   for m, k in zip(ids[1:], keys[1:]))
+    sign = (time.perf_counter() - t0) / (n - 1)
+    record = ClosedRecord(leader, tuple(ids), time.time() + 60, proofs)
+    bare = ClosedRecord(leader, tuple(ids), record.until)
+    join_signed.cache_clear()
+    t0 = time.perf_counter()
+    assert len(record.signed("run", step)) == n
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(100):
+        record.signed("run", step)
+    cached = (time.perf_counter() - t0) / 100
+    return {"join_sign_us": round(sign * 1e6, 1), "record_first_read_us": round(first * 1e6, 1),
+            "record_cached_read_us": round(cached * 1e6, 1),
+            "record_bytes": len(msgpack.packb(record.to_wire(), use_bin_type=True)),
+            "record_bytes_without_proofs": len(msgpack.packb(bare.to_wire(), use_bin_type=True))}
+
+
 def main() -> None:
     out = {}
     for n in (4, 16, 1000):
@@ -65,6 +95,8 @@ def main() -> None:
     verify = (time.perf_counter() - t0) / 1000
     out["hello_sign_us"], out["hello_verify_us"] = round(sign * 1e6, 1), round(verify * 1e6, 1)
     out["dht_records_added_per_step"] = 0
+    for n in (4, 16):
+        out[f"closed_record_{n}"] = closed_record_cost(n)
     print(json.dumps(out))
 
 

@@ -136,9 +136,9 @@ class CollaborationView:
     def global_step(self) -> int:
         """The newest step the collaboration *attests*: the newest step that ``ATTEST`` attesters
         (all of them, if fewer) vouch for and a trainer can hand on, or that a backbone holds. A
-        training peer vouches for the steps up to its own; a backbone, while fewer than ``ATTEST``
-        trainers are alive, for the ``HISTORY`` steps past its checkpoint (it pulls well before the
-        run gets that far: a lone trainer stays the run).
+        training peer vouches for the steps up to its own; a backbone for the ``HISTORY`` steps past
+        its checkpoint that fewer than ``ATTEST`` trainers are behind (it pulls well before the run
+        gets that far: a lone trainer stays the run, and so does one ahead of a single other).
         One member's record is its own claim: a member publishing step +1000 alone moves nothing,
         beside other trainers or beside a backbone (in an invite-only run the backbone role is
         itself checked against the member's invitation before its record gets here, service.py).
@@ -159,14 +159,15 @@ class CollaborationView:
         def attested(pool: list[ProgressRecord]) -> int | None:
             steps = sorted((r.step for r in pool), reverse=True)
             quorum = min(ATTEST, len(steps) + len(backbones))
-            # a backbone vouches only where the trainers are too few to attest a step themselves: beside
-            # honest trainers, a member publishing steps ahead of them was attested by the backbone alone
-            # (its checkpoint + HISTORY), and the run's step ran away from every state the others held
-            vouching = backbones if len(steps) < ATTEST else []
             for reached, step in enumerate(steps, start=1):  # ``reached`` holders are at ``step`` or past it
                 if servable is not None and step > servable:
                     continue
-                if reached + sum(step < b + HISTORY for b in vouching) >= quorum:
+                # a backbone vouches for a step only while fewer than ATTEST trainers are behind it: beside
+                # three honest trainers, a member publishing steps ahead of them was attested by the
+                # backbone alone (up to its checkpoint + HISTORY), and the run's step ran away from every
+                # state the others held
+                vouch = sum(step < b + HISTORY for b in backbones) if len(steps) - reached < ATTEST else 0
+                if reached + vouch >= quorum:
                     return max([step, *backbones])
             return None
 
@@ -388,23 +389,26 @@ class ReadyRecord:
                    n if isinstance(n, int) and 0 < n <= MAX_NUMEL else 0)
 
 
-def join_statement(run_id: str, step: int, leader: str, member: str, incarnation: str) -> bytes:
+def join_statement(run_id: str, step: int, leader: str, member: str, incarnation: str, contributes: bool) -> bytes:
     """What a member signs when it joins ``leader``'s group for ``step`` (its join request carries the
     signature, and the leader's ``closed`` record lists it): the proof that this process of it
-    (``incarnation``: a restart under the same identity is another) joined that group."""
-    return b"".join(len(b).to_bytes(4, "big") + b for b in (b"dedloc-join-v1", run_id.encode(), str(step).encode(),
-                                                              leader.encode(), member.encode(), incarnation.encode()))
+    (``incarnation``: a restart under the same identity is another) joined that group, contributing
+    samples (``contributes``: weight > 0) or not (an aggregator-only peer joins any group)."""
+    return b"".join(len(b).to_bytes(4, "big") + b
+                    for b in (b"dedloc-join-v1", run_id.encode(), str(step).encode(), leader.encode(), member.encode(),
+                              incarnation.encode(), b"1" if contributes else b"0"))
 
 
 @functools.lru_cache(maxsize=4096)
-def join_signed(run_id: str, step: int, leader: str, member: str, incarnation: str, signature: bytes) -> bool:
+def join_signed(run_id: str, step: int, leader: str, member: str, incarnation: str, contributes: bool,
+                signature: bytes) -> bool:
     """Whether ``signature`` is ``member``'s over its join of ``leader``'s group for ``step`` (its
     Ed25519 key is inside its peer id). Remembers the 4096 most recent answers: every read of a step's
     ``closed`` records checks the same few."""
     from dedloc.net.identity import public_key_of  # (the identity module pulls in hivemind)
 
     try:
-        public_key_of(member).verify(signature, join_statement(run_id, step, leader, member, incarnation))
+        public_key_of(member).verify(signature, join_statement(run_id, step, leader, member, incarnation, contributes))
         return True
     except Exception:
         return False
@@ -421,15 +425,20 @@ class JoinProof:
 
     incarnation: str
     signature: bytes
+    contributes: bool = True
 
     def holds(self, run_id: str, step: int, leader: str, member: str) -> bool:
-        return join_signed(run_id, step, leader, member, self.incarnation, self.signature)
+        return join_signed(run_id, step, leader, member, self.incarnation, self.contributes, self.signature)
+
+    def to_wire(self) -> list:
+        return [self.incarnation, self.signature, self.contributes]
 
     @classmethod
     def from_wire(cls, obj: Any) -> "JoinProof | None":
-        if isinstance(obj, (list, tuple)) and len(obj) == 2 and isinstance(obj[0], str) \
-                and len(obj[0]) <= MAX_INCARNATION and isinstance(obj[1], bytes) and len(obj[1]) == MAX_SIGNATURE:
-            return cls(obj[0], obj[1])
+        if isinstance(obj, (list, tuple)) and len(obj) == 3 and isinstance(obj[0], str) \
+                and len(obj[0]) <= MAX_INCARNATION and isinstance(obj[1], bytes) and len(obj[1]) == MAX_SIGNATURE \
+                and isinstance(obj[2], bool):
+            return cls(obj[0], obj[1], obj[2])
         return None
 
 
@@ -454,7 +463,7 @@ class ClosedRecord:
         if self.until is not None:
             out["until"] = self.until
         if self.proofs:
-            out["sigs"] = {m: [p.incarnation, p.signature] for m, p in self.proofs}
+            out["sigs"] = {m: p.to_wire() for m, p in self.proofs}
         return out
 
     def proof(self, run_id: str, step: int, member: str) -> JoinProof | None:
@@ -467,7 +476,14 @@ class ClosedRecord:
         """The members that provably joined: the leader (the record is its own, signed as a DHT record)
         and every member whose join proof verifies. A member cannot be listed into a group by anyone
         else: a member's record naming honest peers it never led counts as a group of one."""
-        return frozenset([self.leader, *(m for m, _ in self.proofs if self.proof(run_id, step, m) is not None)])
+        listed = set(self.members or ())
+        return frozenset([self.leader, *(m for m, p in self.proofs if m in listed and p.holds(run_id, step, self.leader, m))])
+
+    def contributors(self, run_id: str, step: int) -> int:
+        """How many of ``signed`` contributed samples (the leader counts as one: it closes its own
+        group). A group of one trainer and aggregator-only peers is a group of one here."""
+        proven = self.signed(run_id, step)
+        return 1 + sum(1 for m, p in self.proofs if m in proven and m != self.leader and p.contributes)
 
     @classmethod
     def from_wire(cls, leader: str, obj: Any) -> "ClosedRecord | None":

@@ -591,25 +591,30 @@ def test_a_closed_record_counts_only_the_members_whose_signed_join_it_holds():
     keys = [ed25519.Ed25519PrivateKey.generate() for _ in range(3)]
     leader, a, b = (peer_id_of(k.public_key()) for k in keys)
 
-    def proof(key, member, step=7, lead=leader, run="r", inc="i1"):
-        return JoinProof(inc, key.sign(join_statement(run, step, lead, member, inc)))
+    def proof(key, member, step=7, lead=leader, run="r", inc="i1", contributes=True):
+        return JoinProof(inc, key.sign(join_statement(run, step, lead, member, inc, contributes)), contributes)
 
     record = ClosedRecord(leader, (leader, a, b), 5.0, ((a, proof(keys[1], a)), (b, proof(keys[2], b))))
     wire = ClosedRecord.from_wire(leader, record.to_wire())
-    assert wire == record and wire.signed("r", 7) == {leader, a, b}
+    assert wire == record and wire.signed("r", 7) == {leader, a, b} and wire.contributors("r", 7) == 3
     assert wire.proof("r", 7, a).incarnation == "i1"
     assert record.signed("r", 8) == {leader} and record.signed("other run", 7) == {leader}  # replayed elsewhere
     forged = (
         ((a, proof(keys[2], a)),),  # signed by another member's key
         ((a, proof(keys[1], a, lead=b)),),  # its join of another leader
         ((a, JoinProof("i2", proof(keys[1], a).signature)),),  # another process's claim on its signature
+        ((a, JoinProof("i1", proof(keys[1], a, contributes=False).signature, True)),),  # claimed to contribute
         ((b, proof(keys[2], b)),),  # a valid proof of a member the record does not list
     )
     for proofs in forged:
         assert ClosedRecord(leader, (leader, a), None, proofs).signed("r", 7) == {leader}, proofs
     assert ClosedRecord(leader, (leader, a, b)).signed("r", 7) == {leader}  # names without proofs
-    for bad in ({"members": [leader], "sigs": {a: ["i", b"x" * 65]}}, {"members": [leader], "sigs": {a: "nope"}},
-                {"members": [leader], "sigs": {a: ["i" * 40, b"x" * 64]}}):
+    # an aggregator-only member (no samples) joined: proven, but the group has one contributor
+    with_aggregator = ClosedRecord(leader, (leader, a), None, ((a, proof(keys[1], a, contributes=False)),))
+    assert with_aggregator.signed("r", 7) == {leader, a} and with_aggregator.contributors("r", 7) == 1
+    for bad in ({"members": [leader], "sigs": {a: ["i", b"x" * 65, True]}}, {"members": [leader], "sigs": {a: "nope"}},
+                {"members": [leader], "sigs": {a: ["i" * 40, b"x" * 64, True]}},
+                {"members": [leader], "sigs": {a: ["i", b"x" * 64, 1]}}):
         assert ClosedRecord.from_wire(leader, bad).proofs == (), bad
 
 

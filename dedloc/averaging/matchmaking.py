@@ -43,13 +43,18 @@ Protocol (docs/averaging.md has the reasoning and the soak findings; the rule nu
 12. A peer runs each round at most once. A retry that its leader answers with the group whose round
    already failed here raises MatchmakingError: running it again would bring another weight into it.
    The step stays that group's until its round ends (rule 11) or fails at its leader (rule 5).
-13. A join carries its sender's signature over (run, step, leader, its incarnation), and the leader's
-   ``closed`` record lists them. A group closes the step for the peers it left out only if two or
-   more members provably joined it; a group of one closes it only for a peer that sees no other peer
-   ready or training at the step (it forms a larger group with them instead, which the lineage vote
-   then keeps). A ``missed`` answer carries the group's record; a follower that finds no group that
-   closed the step for it (in the answer, or in the records) passes the leader over (rule 4), and
-   one that finds its own proof of this process in it knows the leader lies.
+13. A join carries its sender's signature over (run, step, leader, its incarnation, whether it
+   contributes samples), and the leader's ``closed`` record lists them. A group closes the step for
+   the peers it left out only if two or more contributing members provably joined it; a group of
+   one contributor (with or without aggregator-only peers) closes it only for a peer that, after
+   its gather, sees no other contributing peer ready for the step (it forms a larger group with
+   them instead). A ``missed`` answer carries the group's record; a follower that finds no group
+   that closed the step for it (in the answer, or in the records) passes the leader over (rule 4),
+   and one that finds its own proof of this process in it knows the leader lies.
+14. A lead of one contributor that ready peers never joined does not take the step the first time
+   (they would not follow it: rule 13): its round fails here and it tries again with them. The
+   second time it leads the step, it closes as before (a peer that can never join holds it back
+   only once).
 
 Guarantees: a peer is in at most one group per step (it sends at most one join whose outcome
 is unknown, and a leader's group is final once sent); every call returns or raises within
@@ -183,6 +188,8 @@ class Matchmaker:
         """Per step, when this peer's matchmaking for it is stale (its ready record expired: suspended)."""
         self._failed: set[int] = set()
         """Steps whose round failed at this peer and that it has not started matchmaking for again."""
+        self._declined: set[int] = set()
+        """Steps this peer once declined to take as its group's only contributor (rule 14)."""
         self._dead: dict[int, set[bytes]] = {}
         """Per step, the rounds that failed at this peer: it never runs one again (rule 12)."""
         self._stores: set[asyncio.Task] = set()
@@ -214,6 +221,7 @@ class Matchmaker:
                 self._stale_at.pop(old, None)
                 self._failed.discard(old)
                 self._dead.pop(old, None)
+                self._declined.discard(old)
                 self._waiting.pop(old, None)
         return self._decided[step]
 
@@ -347,16 +355,16 @@ class Matchmaker:
         return {leader: list(r.members) for leader, r in (await self._standing(step))[0].items()}
 
     def _size(self, step: int, record: ClosedRecord) -> int:
-        """How many members provably joined ``record``'s group (the leader and every valid join proof)."""
-        return len(record.signed(self.node.config.run_id, step))
+        """How many contributing members provably joined ``record``'s group (``ClosedRecord.contributors``)."""
+        return record.contributors(self.node.config.run_id, step)
 
-    def _closes_for_me(self, step: int, record: ClosedRecord, ready: dict[str, Member] | None,
-                       view: CollaborationView | None) -> str | None:
+    def _closes_for_me(self, step: int, record: ClosedRecord, ready: dict[str, Member] | None) -> str | None:
         """Why ``record`` closes ``step`` for this peer (None: it does not). Rule 13: a group closes the
-        step for the peers it left out only if two or more of its members provably joined it (their
-        signed join proofs); a group of one closes it only for a peer that sees no other peer it could
-        take the step with (``_partners``). One member storing a record of a group of one (itself) for
-        each step, and serving that step's update applied, made every honest peer miss the step and
+        step for the peers it left out only if two or more contributing members provably joined it
+        (their signed join proofs); a group of one contributor closes it only for a peer that, having
+        gathered the ready peers (``ready``; None: not yet, so not yet), sees none it could take the
+        step with (``_partners``). One member storing a record of a group of one (itself) for each
+        step, and serving that step's update applied, made every honest peer miss the step and
         download its parameters (issue 38)."""
         run = self.node.config.run_id
         if self.me in record.members:  # (listed without this peer's proof: the leader's word, harmless here)
@@ -366,21 +374,20 @@ class Matchmaker:
             return None
         if self._size(step, record) >= 2:
             return f"the round led by {record.leader} closed without this peer"
-        if self._partners(step, record, ready, view):
+        if ready is None:
+            return None
+        if partners := self._partners(step, record, ready):
+            self._refusals.warn(record.leader, f"step {step}: {record.leader} closed the step in a group of one (no other "
+                                f"member's signed join in its record); {len(partners)} other peer(s) at the step: "
+                                f"taking it with them, not missing it", logging.INFO)
             return None
         return f"the round led by {record.leader} closed without this peer (a group of one, and no other peer is at the step)"
 
-    def _partners(self, step: int, record: ClosedRecord, ready: dict[str, Member] | None,
-                  view: CollaborationView | None) -> set[str]:
-        """Peers outside ``record``'s proven group with which this peer could take ``step``: ready for it
-        (``ready``), or training at it by their progress records (``view``), with one of the group
-        able to hand the step on (a peer not in client mode)."""
-        out = {p for p, m in (ready or {}).items() if m.weight > 0 or not m.client}
-        if view is not None:
-            out |= {r.peer_id for r in view.trainers_at(step)}
-        out -= record.signed(self.node.config.run_id, step) | {self.me}
-        if self.client and not any(not ready[p].client for p in out if ready and p in ready) and \
-                not (view is not None and any(r.role == Role.TRAINER for r in view.peers if r.peer_id in out)):
+    def _partners(self, step: int, record: ClosedRecord, ready: dict[str, Member]) -> set[str]:
+        """Ready peers outside ``record``'s proven group that contribute, with which this peer could
+        take ``step`` (one of them, or this peer, able to hand the step on: not a client)."""
+        out = {p for p, m in ready.items() if m.weight > 0} - record.signed(self.node.config.run_id, step) - {self.me}
+        if self.client and all(ready[p].client for p in out):
             return set()  # clients only: they could take the step for themselves alone (rule 4)
         return out
 
@@ -388,10 +395,8 @@ class Matchmaker:
         """Why this peer cannot take ``step`` any more (rules 4 and 13; rule 10 too with ``took``), None
         if it can. ``ready``: the ready peers it gathered (None: not yet)."""
         closed, view = await self._standing(step, with_view=took)
-        if view is None and any(self.me not in r.members and self._size(step, r) < 2 for r in closed.values()):
-            view = await self._view()  # a group of one: rule 13 asks who else is at the step
         for leader, record in sorted(closed.items()):
-            if why := self._closes_for_me(step, record, ready, view):
+            if why := self._closes_for_me(step, record, ready):
                 return why
         if took and view is not None and view.took(step, exclude=self.me):
             return TOOK
@@ -534,6 +539,9 @@ class Matchmaker:
                     f"step {step}: leading past the join deadline, and the step's ready records could not be read "
                     f"({type(e).__name__}); not taking the step alone"))
         unjoined = bool(set(ready) - self._unreachable.get(step, set()) - set(state.members))
+        lone = me.weight > 0 and sum(m.weight > 0 for m in state.members.values()) < 2
+        never_joined = {p for p, m in ready.items() if m.weight > 0 and p not in state.members
+                        and p not in self._unreachable.get(step, set())}
         if alone and not unjoined and self.progress is not None:
             unjoined = await self._lone_lead_check(step, state)
         if unjoined:
@@ -544,6 +552,18 @@ class Matchmaker:
             await self._close_unless_taken(step, state, alone, ready)
         if not _holds_state(tuple(state.members.values())):
             await self._leave_to_trainers(step, state, alone)
+        if lone and never_joined and step not in self._declined:
+            # Rule 14: ready peers that never joined would not follow a group of one (rule 13): taking
+            # the step would fork it (in the sync soak a trainer took step 79 alone while three others,
+            # ready a moment late, took it again). Once per step: the round fails here and this peer
+            # tries again with them; a peer that can never join (a NAT'd one whose joins fail) holds
+            # it back only once.
+            self._declined.add(step)
+            self._note(step, "declined", f"not taking the step as its only contributor while {len(never_joined)} "
+                                         f"ready peer(s) never joined; trying again with them")
+            self._end_lead(step, state, MatchmakingError(
+                f"step {step}: not taken as this peer's alone: ready peers never joined, and they would not follow a "
+                f"group of one"))
         members = tuple(sorted(state.members.values(), key=lambda m: m.peer_id))
         subgroups = split_into_subgroups(members, self.config.max_group_size)
         if self.policy is not None and self.config.strategy == "partitioned":
@@ -701,7 +721,8 @@ class Matchmaker:
                 raise ProtocolError("malformed join request")
             if not self._newest - KEEP_STEPS <= step <= self._newest + JOIN_AHEAD:
                 raise ProtocolError(f"step {step} is not near this peer's step {self._newest}")
-            if proof is None or not proof.holds(self.node.config.run_id, step, self.me, peer):
+            if proof is None or proof.contributes != (member.weight > 0) or \
+                    not proof.holds(self.node.config.run_id, step, self.me, peer):
                 raise ProtocolError("the join is not signed by its sender for this leader and step")
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
             self._refusals.warn(peer, f"refused join request from {peer}: {e}")
@@ -767,8 +788,7 @@ class Matchmaker:
         If the records cannot be read within ``matchmaking_time``, the leader's word stands."""
         closed = ClosedRecord.from_wire(leader, record) if record is not None else None
         if closed is not None and closed.members is not None:
-            view = await self._view() if self._size(step, closed) < 2 and self.me not in closed.members else None
-            if why := self._closes_for_me(step, closed, ready, view):
+            if why := self._closes_for_me(step, closed, ready):
                 return why
         try:
             return await asyncio.wait_for(self._why_missed(step, took=True, ready=ready), self.config.matchmaking_time)
@@ -819,8 +839,8 @@ class Matchmaker:
             self._follow[step] = leader
             self._decision(step).set()
             tried.add(leader)
-            signed = join_statement(self.node.config.run_id, step, leader, self.me, self.incarnation)
-            request["j"] = [self.incarnation, self.node.sign(signed)]  # rule 13: the leader's record lists it
+            signed = join_statement(self.node.config.run_id, step, leader, self.me, self.incarnation, me.weight > 0)
+            request["j"] = JoinProof(self.incarnation, self.node.sign(signed), me.weight > 0).to_wire()  # rule 13
             try:
                 response = await self._ask(step, leader, request, deadline)
             except (ConnectionError, asyncio.IncompleteReadError) as e:
