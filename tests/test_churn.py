@@ -397,6 +397,8 @@ def test_a_step_most_peers_already_took_is_missed_even_after_its_closed_records_
             late.average(torch.ones(4), step=5, weight=1.0, expected_peers=1)
         publish(a, 5)
         publish(b, 22)
+        with pytest.raises(MatchmakingError, match="not taken as this peer's alone"):  # a trainer at the step: rule 14
+            late.average(torch.ones(4), step=5, weight=1.0, expected_peers=1)
         stats = late.average(torch.ones(4), step=5, weight=1.0, expected_peers=1)
         assert stats["group_size"] == 1
     finally:
@@ -470,6 +472,8 @@ def test_a_closed_record_outliving_its_failed_round_closes_nothing():
             member.report(ProgressRecord(member.peer_id, 0, 0, 1.0, Role.TRAINER, time=time.time(),
                                          fingerprint="0:" + "ab" * 8))
             assert late.closed_round(0) == {}
+            with pytest.raises(MatchmakingError, match="not taken as this peer's alone"):  # the member is at step 0
+                late.average(torch.ones(4), step=0, weight=1.0, expected_peers=1)
             assert late.average(torch.ones(4), step=0, weight=1.0, expected_peers=1)["group_size"] == 1
             # step 1's round succeeded for its member (it holds the update of step 1): the step stays closed
             member.report(ProgressRecord(member.peer_id, 2, 0, 1.0, Role.TRAINER, time=time.time(),

@@ -63,6 +63,16 @@ class Usurper(threading.Thread):
             self.publishing.set()
 
 
+def invite_only_run(tmp_path, checkpoint_interval: float):
+    """The README's deployment of an invite-only run: its owner, a backbone with a backbone
+    invitation pulling in the background, and the initial peers every other member is given."""
+    torch.set_num_threads(1)
+    owner = RunOwner.init(str(tmp_path / "run"), run_id())
+    backbone = Backbone(member(owner, tmp_path, "backbone", backbone=True),
+                        BackboneConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=checkpoint_interval), AVG)
+    return owner, backbone, backbone.in_background(), dict(initial_peers=tuple(backbone.maddrs))
+
+
 def evil_model() -> torch.Tensor:
     model = make_model()
     with torch.no_grad():
@@ -76,12 +86,7 @@ def test_a_member_publishing_step_plus_1000_with_its_own_weights_is_adopted_by_n
     """At b122246 both honest trainers loaded such a state within a second and the backbone
     checkpointed it; so did a newcomer. Here one usurper publishes as a trainer, another claims a
     backbone's role without a backbone's invitation."""
-    torch.set_num_threads(1)
-    owner = RunOwner.init(str(tmp_path / "run"), run_id())
-    backbone = Backbone(member(owner, tmp_path, "backbone", backbone=True),
-                        BackboneConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=0.3), AVG)
-    pulling = backbone.in_background()
-    joined = dict(initial_peers=tuple(backbone.maddrs))
+    owner, backbone, pulling, joined = invite_only_run(tmp_path, checkpoint_interval=0.3)
     peers: list[Peer] = []
     usurpers: list[Usurper] = []
     attacking = threading.Event()
@@ -146,12 +151,7 @@ def test_a_member_taking_each_step_alone_is_followed_by_nobody(tmp_path):
     it (matchmaking rule 13); at odd steps its record also names the honest trainers as members,
     without their signed joins, and still counts as a group of one. Nor does the backbone vouch
     for the member's steps ahead of three trainers (the run's step ran to its checkpoint + 64)."""
-    torch.set_num_threads(1)
-    owner = RunOwner.init(str(tmp_path / "run"), run_id())
-    backbone = Backbone(member(owner, tmp_path, "backbone", backbone=True),
-                        BackboneConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=0.5), AVG)
-    pulling = backbone.in_background()
-    joined = dict(initial_peers=tuple(backbone.maddrs))
+    owner, backbone, pulling, joined = invite_only_run(tmp_path, checkpoint_interval=0.5)
     peers: list[Peer] = []
     # the honest trainers take about a second per step: the member's record is stored before they are ready
     steps, cfg = 9, OptimizerConfig(target_batch_size=96)
@@ -201,7 +201,7 @@ def test_a_member_taking_each_step_alone_is_followed_by_nobody(tmp_path):
         assert not is_evil(torch.cat([v.reshape(-1) for v in model.values()])), f"the backbone checkpointed the member's step {s}"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_a_leader_answering_missed_without_a_group_that_closed_the_step_is_passed_over(tmp_path):
     """A member with the smallest peer id leads; it answered every join ``missed``, and each joiner
     took the step as missed and downloaded the only state past it (its own). Now a joiner checks

@@ -51,8 +51,9 @@ Protocol (docs/averaging.md has the reasoning and the soak findings; the rule nu
    them instead). A ``missed`` answer carries the group's record; a follower that finds no group
    that closed the step for it (in the answer, or in the records) passes the leader over (rule 4),
    and one that finds its own proof of this process in it knows the leader lies.
-14. A lead of one contributor that ready peers never joined does not take the step the first time
-   (they would not follow it: rule 13): its round fails here and it tries again with them. The
+14. A lead of one contributor that ready peers never joined, or beside trainers at the step by
+   their progress records, does not take the step the first time (they would not follow it: rule
+   13): its round fails here and it tries again with them. The
    second time it leads the step, it closes as before (a peer that can never join holds it back
    only once).
 
@@ -552,18 +553,20 @@ class Matchmaker:
             await self._close_unless_taken(step, state, alone, ready)
         if not _holds_state(tuple(state.members.values())):
             await self._leave_to_trainers(step, state, alone)
-        if lone and never_joined and step not in self._declined:
-            # Rule 14: ready peers that never joined would not follow a group of one (rule 13): taking
-            # the step would fork it (in the sync soak a trainer took step 79 alone while three others,
-            # ready a moment late, took it again). Once per step: the round fails here and this peer
+        if lone and (never_joined or unjoined) and step not in self._declined:
+            # Rule 14: ready peers that never joined, or trainers at the step by their progress records
+            # (their ready records may not have reached this peer: a frozen DHT node), would not follow
+            # a group of one (rule 13): taking the step would fork it (in the sync soak a trainer took
+            # step 79 alone while three others, ready a moment late, took it again; in the 2-minute
+            # soak one took step 10 alone beside three that waited on a frozen leader). Once per step: the round fails here and this peer
             # tries again with them; a peer that can never join (a NAT'd one whose joins fail) holds
             # it back only once.
             self._declined.add(step)
-            self._note(step, "declined", f"not taking the step as its only contributor while {len(never_joined)} "
-                                         f"ready peer(s) never joined; trying again with them")
+            self._note(step, "declined", "not taking the step as its only contributor while other peers are ready "
+                                         "for it or training at it; trying again with them")
             self._end_lead(step, state, MatchmakingError(
-                f"step {step}: not taken as this peer's alone: ready peers never joined, and they would not follow a "
-                f"group of one"))
+                f"step {step}: not taken as this peer's alone: other peers are ready for it or training at it, and they "
+                f"would not follow a group of one"))
         members = tuple(sorted(state.members.values(), key=lambda m: m.peer_id))
         subgroups = split_into_subgroups(members, self.config.max_group_size)
         if self.policy is not None and self.config.strategy == "partitioned":
