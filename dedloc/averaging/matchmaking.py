@@ -53,9 +53,8 @@ Protocol (docs/averaging.md has the reasoning and the soak findings; the rule nu
    and one that finds its own proof of this process in it knows the leader lies.
 14. A lead of one contributor that ready peers never joined, or beside trainers at the step by
    their progress records, does not take the step the first time (they would not follow it: rule
-   13): its round fails here and it tries again with them. The
-   second time it leads the step, it closes as before (a peer that can never join holds it back
-   only once).
+   13): its round fails here and it tries again with them. The second time it leads the step, it
+   closes as before (a peer that can never join holds it back only once).
 
 Guarantees: a peer is in at most one group per step (it sends at most one join whose outcome
 is unknown, and a leader's group is final once sent); every call returns or raises within
@@ -378,8 +377,8 @@ class Matchmaker:
         if ready is None:
             return None
         if partners := self._partners(step, record, ready):
-            self._refusals.warn(record.leader, f"step {step}: {record.leader} closed the step in a group of one (no other "
-                                f"member's signed join in its record); {len(partners)} other peer(s) at the step: "
+            self._refusals.warn(record.leader, f"step {step}: {record.leader} closed the step in a group of one contributor "
+                                f"(no other contributing member's signed join in its record); {len(partners)} other peer(s) at the step: "
                                 f"taking it with them, not missing it", logging.INFO)
             return None
         return f"the round led by {record.leader} closed without this peer (a group of one, and no other peer is at the step)"
@@ -558,9 +557,9 @@ class Matchmaker:
             # (their ready records may not have reached this peer: a frozen DHT node), would not follow
             # a group of one (rule 13): taking the step would fork it (in the sync soak a trainer took
             # step 79 alone while three others, ready a moment late, took it again; in the 2-minute
-            # soak one took step 10 alone beside three that waited on a frozen leader). Once per step: the round fails here and this peer
-            # tries again with them; a peer that can never join (a NAT'd one whose joins fail) holds
-            # it back only once.
+            # soak one took step 10 alone beside three that waited on a frozen leader). Once per step:
+            # the round fails here and this peer tries again with them; a peer that can never join (a
+            # NAT'd one whose joins fail) holds it back only once.
             self._declined.add(step)
             self._note(step, "declined", "not taking the step as its only contributor while other peers are ready "
                                          "for it or training at it; trying again with them")
