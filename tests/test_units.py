@@ -594,7 +594,8 @@ def test_a_closed_record_counts_only_the_members_whose_signed_join_it_holds():
     def proof(key, member, step=7, lead=leader, run="r", inc="i1", contributes=True):
         return JoinProof(inc, key.sign(join_statement(run, step, lead, member, inc, contributes)), contributes)
 
-    record = ClosedRecord(leader, (leader, a, b), 5.0, ((a, proof(keys[1], a)), (b, proof(keys[2], b))))
+    record = ClosedRecord(leader, (leader, a, b), 5.0, tuple(sorted([(a, proof(keys[1], a)), (b, proof(keys[2], b))],
+                                                                    key=lambda mp: mp[0])))  # (read back sorted)
     wire = ClosedRecord.from_wire(leader, record.to_wire())
     assert wire == record and wire.signed("r", 7) == {leader, a, b} and wire.contributors("r", 7) == 3
     assert wire.proof("r", 7, a).incarnation == "i1"
