@@ -14,6 +14,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
+from dedloc.framing import framed
+
 logger = logging.getLogger(__name__)
 
 
@@ -394,9 +396,7 @@ def join_statement(run_id: str, step: int, leader: str, member: str, incarnation
     signature, and the leader's ``closed`` record lists it): the proof that this process of it
     (``incarnation``: a restart under the same identity is another) joined that group, contributing
     samples (``contributes``: weight > 0) or not (an aggregator-only peer joins any group)."""
-    return b"".join(len(b).to_bytes(4, "big") + b
-                    for b in (b"dedloc-join-v1", run_id.encode(), str(step).encode(), leader.encode(), member.encode(),
-                              incarnation.encode(), b"1" if contributes else b"0"))
+    return framed(b"dedloc-join-v1", run_id, str(step), leader, member, incarnation, b"1" if contributes else b"0")
 
 
 @functools.lru_cache(maxsize=4096)

@@ -632,3 +632,11 @@ def test_dedloc_debug_names_the_loggers_that_log_at_debug():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "one layer in detail" in out.stderr and "another layer quiet" not in out.stderr
+
+
+def test_framed_parts_that_concatenate_alike_give_different_bytes():
+    from dedloc.framing import framed
+
+    assert framed("ab", "c") != framed("a", "bc")
+    assert framed(b"x", "y") == b"\0\0\0\1x\0\0\0\1y"
+    assert framed("é", width=2) == b"\0\2" + "é".encode()

@@ -31,6 +31,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 from dedloc.auth.authorizer import Authorizer
 from dedloc.errors import Unauthorized
+from dedloc.framing import framed
 from dedloc.logs import PerPeerWarnings
 from dedloc.net.identity import public_key_of
 
@@ -44,8 +45,7 @@ _warnings = PerPeerWarnings(logger)
 
 
 def _signed_bytes(record: DHTRecord, value: bytes) -> bytes:
-    return b"".join((_DOMAIN, len(record.key).to_bytes(2, "big"), record.key, len(record.subkey).to_bytes(2, "big"),
-                     record.subkey, struct.pack(">d", record.expiration_time), value))
+    return _DOMAIN + framed(record.key, record.subkey, width=2) + struct.pack(">d", record.expiration_time) + value
 
 
 class SignedRecords(RecordValidatorBase):

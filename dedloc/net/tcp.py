@@ -65,6 +65,7 @@ from cryptography.x509.oid import NameOID
 from hivemind.p2p import PeerID
 
 from dedloc.errors import ProtocolError
+from dedloc.framing import framed
 from dedloc.logs import PerPeerWarnings
 from dedloc.net.direct_stream import DirectProtocol
 from dedloc.net.identity import public_key_of
@@ -156,11 +157,7 @@ class _Certificate:
 
 
 def _mac(key: bytes, *parts: bytes | str) -> bytes:
-    h = hmac.new(key, digestmod=hashlib.sha256)
-    for p in parts:
-        b = p.encode() if isinstance(p, str) else p
-        h.update(len(b).to_bytes(4, "big") + b)
-    return h.digest()
+    return hmac.new(key, framed(*parts), hashlib.sha256).digest()
 
 
 @dataclass(frozen=True)
@@ -172,7 +169,7 @@ class _Info:
 
 
 def _signed(r: bytes, p: str, f: str, t: str, n: bytes) -> bytes:
-    return b"".join(len(b).to_bytes(4, "big") + b for b in (_SIGNED, r, p.encode(), f.encode(), t.encode(), n))
+    return framed(_SIGNED, r, p, f, t, n)
 
 
 class DirectTCP:
