@@ -1,6 +1,13 @@
 """Every error dedloc raises on purpose. Each names the peer, the step and the cause where known."""
 
 
+from __future__ import annotations
+
+_REGISTRY: dict[str, type[DedlocError]] = {}
+"""Every DedlocError class by name: how an error raised in a peer's background process is rebuilt
+with its type in the training process (``to_wire``/``from_wire``)."""
+
+
 class DedlocError(Exception):
     """Base class of all dedloc errors. ``peers``: the peers it is about, where the caller acts on
     them (e.g. donors refused as forks); they travel with it from the background process."""
@@ -8,6 +15,35 @@ class DedlocError(Exception):
     def __init__(self, *args: object, peers: tuple[str, ...] = ()):
         super().__init__(*args)
         self.peers = tuple(peers)
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if _REGISTRY.setdefault(cls.__name__, cls) is not cls:
+            raise TypeError(f"two error classes are named {cls.__name__}: {_REGISTRY[cls.__name__]} and {cls}")
+
+
+class PeerTimeoutError(DedlocError, TimeoutError):
+    """A wait inside the peer's background process timed out (a TimeoutError there): both a
+    DedlocError and a TimeoutError here."""
+
+
+_REGISTRY["DedlocError"] = DedlocError
+_BUILTIN = {"TimeoutError": PeerTimeoutError}
+"""Built-in errors that keep their type across the boundary (as a class that is also a DedlocError)."""
+
+
+def to_wire(e: BaseException) -> tuple[str, str, tuple[str, ...]]:
+    """What crosses the process boundary of an error: its class name, message and peers."""
+    return type(e).__name__, str(e), tuple(getattr(e, "peers", ()))
+
+
+def from_wire(name: str, message: str, peers: tuple[str, ...] = ()) -> DedlocError:
+    """The error ``to_wire`` described: a DedlocError of its own class, a built-in timeout as
+    PeerTimeoutError, and anything else (a bug in the service) as a DedlocError naming its class."""
+    cls = _REGISTRY.get(name) or _BUILTIN.get(name)
+    if cls is None:
+        return DedlocError(f"{name}: {message}", peers=tuple(peers))
+    return cls(message, peers=tuple(peers))
 
 
 class ConfigError(DedlocError, ValueError):

@@ -25,6 +25,7 @@ from dedloc.averaging.bounds import WeightBounds
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import AveragingError, BootstrapError
 from dedloc.net.runtime import Runtime, SharedBuffer
+from dedloc.peer_api import PeerAPI
 from dedloc.records import CollaborationView, ProgressRecord, Role
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class Peer:
         deadline, said = time.monotonic() + self.config.join_timeout, False
         while True:
             try:
-                return Runtime("dedloc.service:create", (self.config, self.averaging),
+                return Runtime("dedloc.service:create", (self.config, self.averaging), api=PeerAPI,
                                startup_timeout=self.config.startup_timeout, log_level=self.config.log_level)
             except BootstrapError as e:
                 left = deadline - time.monotonic()
@@ -78,10 +79,10 @@ class Peer:
                          bandwidth: float = 0.0) -> None:
         record = ProgressRecord(self.peer_id, step, samples, samples_per_second, role or self.role, bandwidth,
                                 time.time())
-        self.runtime.call("publish_progress", record.to_wire(), self.config.progress_ttl)
+        self.runtime.call(PeerAPI.publish_progress, record.to_wire(), self.config.progress_ttl)
 
     def collaboration(self) -> CollaborationView:
-        return CollaborationView.build(self.runtime.call("read_progress"))
+        return CollaborationView.build(self.runtime.call(PeerAPI.read_progress))
 
     def report(self, record: ProgressRecord) -> tuple[CollaborationView, bool]:
         """Publish ``record`` and read everyone's in one call; also returns whether a peer wants our state."""
@@ -89,7 +90,7 @@ class Peer:
 
     def report_async(self, record: ProgressRecord) -> "cf.Future[tuple[CollaborationView, bool]]":
         """:meth:`report` without waiting: a future of its result (errors as in :meth:`report`)."""
-        raw = self.runtime.call_async("report", record.to_wire(), self.config.progress_ttl)
+        raw = self.runtime.call_async(PeerAPI.report, record.to_wire(), self.config.progress_ttl)
         out: cf.Future = cf.Future()
 
         def done(f: cf.Future) -> None:
@@ -104,13 +105,13 @@ class Peer:
 
     def leave(self) -> None:
         """Announce that this peer left (others stop waiting for it); close() still has to be called."""
-        self.runtime.call("leave", 2 * self.config.progress_ttl)
+        self.runtime.call(PeerAPI.leave, 2 * self.config.progress_ttl)
 
     # ---- training state ---------------------------------------------------------------------------------
     def offer_state(self, step: int, blob: bytes, history: list[str] | None = None) -> None:
         """Make ``blob`` (a state at ``step``, see state/snapshot.py) available to peers that ask for it;
         ``history``: its lineage (``"t:h"`` per step, state/lineage.py), sent ahead of the bytes."""
-        self.runtime.call("offer_state", step, blob, list(history or ()))
+        self.runtime.call(PeerAPI.offer_state, step, blob, list(history or ()))
 
     def download_state(self, donors: list[str], min_step: int, timeout: float, max_bytes: int | None = None,
                        votes: dict[str, str] | None = None, max_step: int | None = None) -> tuple[int, bytes, str]:
@@ -131,7 +132,7 @@ class Peer:
                              votes: dict[str, str] | None = None,
                              max_step: int | None = None) -> "cf.Future[tuple[int, bytes, str]]":
         """:meth:`download_state` without waiting: a future of its result (errors as there)."""
-        return self.runtime.call_async("download_state", list(donors), min_step, timeout, max_bytes,
+        return self.runtime.call_async(PeerAPI.download_state, list(donors), min_step, timeout, max_bytes,
                                        dict(votes) if votes else None, max_step)
 
     # ---- averaging ------------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ class Peer:
             return free.pop()
         name = f"b{numel}.{len(self._buffers)}"
         buf = SharedBuffer(numel)
-        self.runtime.call("register_buffer", name, buf.name, numel)
+        self.runtime.call(PeerAPI.register_buffer, name, buf.name, numel)
         self._buffers[name] = buf
         return name
 
@@ -157,7 +158,7 @@ class Peer:
         buf = self._buffers[name].tensor
         buf.copy_(tensor.detach().reshape(-1))  # one copy, from any device and dtype, into shared memory
         try:
-            fut = self.runtime.call_async("average", name, step, float(weight), expected_peers, timeout,
+            fut = self.runtime.call_async(PeerAPI.average, name, step, float(weight), expected_peers, timeout,
                                           gather_time, bounds)
         except BaseException:
             self._free[tensor.numel()].append(name)
@@ -198,43 +199,43 @@ class Peer:
         Returns rates in bytes/s: ``pushed``/``pulled`` per peer, ``upload``/``download`` overall,
         and ``failed`` peers with reasons.
         """
-        return self.runtime.call("probe", peers, timeout=timeout)
+        return self.runtime.call_async(PeerAPI.probe, peers).result(timeout)
 
     def connections(self) -> dict[str, dict[str, Any]]:
         """Open connections: peer id -> ``{"direct": bool, "addrs": [...]}`` (``direct``: not only
         through a relay, e.g. after hole punching)."""
-        return self.runtime.call("connections")
+        return self.runtime.call(PeerAPI.connections)
 
     def read_records(self, names: list[str]) -> dict[str, dict[str, Any]]:
         """The run's raw DHT records under ``names`` (``progress``, ``caps``, ``rounds``, ``ledger``):
         name -> {peer id: value}. Validate them with the record types of dedloc.records."""
-        return self.runtime.call("read_records", list(names))
+        return self.runtime.call(PeerAPI.read_records, list(names))
 
     def publish_record(self, name: str, value: Any, ttl: float) -> bool:
         """Store ``value`` under this peer's subkey of record ``name`` (only ``ledger``)."""
-        return self.runtime.call("publish_record", name, value, ttl)
+        return self.runtime.call(PeerAPI.publish_record, name, value, ttl)
 
     def rejoin(self, maddrs: list[str], timeout: float = 5.0) -> list[str]:
         """Connect to the peers at ``maddrs`` and add those that answer to this peer's DHT routing
         table (a restarted backbone finding its run again); returns the peer ids that answered."""
-        return self.runtime.call("rejoin", list(maddrs), timeout, timeout=timeout + 10)
+        return self.runtime.call_async(PeerAPI.rejoin, list(maddrs), timeout).result(timeout + 10)
 
     def stream_counts(self) -> dict[str, int]:
         """How many streams outside rounds (state downloads, probes) this peer opened over direct
         connections (``direct``) and over libp2p (``libp2p``, the fallback)."""
-        return self.runtime.call("stream_counts")
+        return self.runtime.call(PeerAPI.stream_counts)
 
     def capabilities(self) -> dict[str, Any]:
         """Everyone's capability records as read now (``peers``: id -> record) and the last plan
         this peer made as a round's leader (``plan``: peers, shares, strategy, predicted_s)."""
-        return self.runtime.call("capabilities")
+        return self.runtime.call(PeerAPI.capabilities)
 
     def reconfigure(self, *, planner: str | None = None, strategy: str | None = None,
                     compression: str | None = None) -> None:
         """Change how the rounds this peer leads are planned and run; raises ConfigError on a bad value."""
         changes = {k: v for k, v in dict(planner=planner, strategy=strategy, compression=compression).items()
                    if v is not None}
-        self.runtime.call("reconfigure", changes)
+        self.runtime.call(PeerAPI.reconfigure, changes)
 
     def _dht_read_timeout(self) -> float:
         """How long the training loop waits for the runtime to answer one DHT read (a matchmaking
@@ -245,18 +246,18 @@ class Peer:
         """The size of the vector contributing peers are ready to average for ``step`` (0: none yet).
         Raises DedlocError if the DHT cannot be read, TimeoutError if the runtime does not answer
         within ``2 * matchmaking_time + 10`` s."""
-        return self.runtime.call("pending_numel", step, timeout=self._dht_read_timeout())
+        return self.runtime.call_async(PeerAPI.pending_round, step).result(self._dht_read_timeout())
 
     def closed_round(self, step: int) -> dict[str, list[str]]:
         """Members of each group that closed for ``step`` (leader -> peer ids), read from the DHT."""
-        return self.runtime.call("closed_round", step)
+        return self.runtime.call(PeerAPI.closed_round, step)
 
     def round_deadline(self, step: int) -> float | None:
         """Until when (wall clock) a round of ``step`` may still finish: the latest deadline of the
         groups that closed it, plus a grace for clock skew; None if none did. Raises DedlocError if
         the DHT cannot be read, TimeoutError if the runtime does not answer within
         ``2 * matchmaking_time + 10`` s."""
-        return self.runtime.call("round_deadline", step, timeout=self._dht_read_timeout())
+        return self.runtime.call_async(PeerAPI.round_deadline, step).result(self._dht_read_timeout())
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:

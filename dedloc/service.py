@@ -1,7 +1,7 @@
 """What runs in a peer's background process: the engine node, progress records and the averager.
 
 The training process reaches these methods through :class:`dedloc.net.runtime.Runtime`; only
-names in ``PUBLIC`` can be called.
+those declared in :class:`dedloc.peer_api.PeerAPI` can be called.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dedloc.net.node import Node
 from dedloc.net.peer_connections import PeerConnections
 from dedloc.net.runtime import SharedBuffer
 from dedloc.net.tcp import DirectTCP
+from dedloc.peer_api import PeerAPI
 from dedloc.planning.planner import Planner
 from dedloc.records import MAX_REPORTED_ROUNDS, CollaborationView, CreditRecord, ProgressRecord, Role, RoundReport
 from dedloc.state.transfer import StateServer
@@ -39,11 +40,8 @@ CREDITS_TTL = 3600.0
 MONITORED = frozenset({"progress", "caps", "rounds", "credits", "ledger"})
 
 
-class PeerService:
-    PUBLIC = frozenset({"info", "publish_progress", "read_progress", "register_buffer", "average", "ping",
-                        "closed_round", "round_deadline", "report", "offer_state", "download_state", "leave", "probe",
-                        "capabilities", "reconfigure", "pending_numel", "connections", "stream_counts",
-                        "read_records", "publish_record", "rejoin"})
+class PeerService(PeerAPI):
+    """The peer's background side: implements :class:`dedloc.peer_api.PeerAPI` (documented there)."""
 
     def __init__(self, node: Node, averager: Averager, states: StateServer, planner: Planner,
                  peers: PeerConnections, metrics: PeerMetrics):
@@ -262,7 +260,7 @@ class PeerService:
         for name, value in changes.items():
             setattr(config, name, value)  # one object shared by the averager, matchmaker and planner
 
-    async def pending_numel(self, step: int) -> int:
+    async def pending_round(self, step: int) -> int:
         return await self.averager.matchmaker.pending_numel(step)
 
     async def closed_round(self, step: int) -> dict[str, list[str]]:

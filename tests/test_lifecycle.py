@@ -88,3 +88,37 @@ def test_killed_runtime_leaves_no_socket_files():
         assert [p for p in paths if os.path.exists(p)] == []
     finally:
         peer.close()
+
+
+def test_calls_across_the_process_boundary_are_checked_against_one_declaration_and_errors_keep_their_type():
+    from dedloc.errors import ConfigError, DedlocError, PeerTimeoutError, StateError
+    from dedloc.net.runtime import Runtime
+    from dedloc.peer_api import PeerAPI
+    from dedloc.testing.boundary import BoundaryAPI
+
+    rt = Runtime("dedloc.testing.boundary:create", (), api=BoundaryAPI, startup_timeout=30)
+    try:
+        assert rt.call(BoundaryAPI.echo, {"a": 1}) == {"a": 1}
+        assert rt.call(BoundaryAPI.echo, 3, twice=True) == [3, 3]
+        # a wrong argument, or a method the service does not declare, is refused before anything is sent
+        with pytest.raises(TypeError, match=r"BoundaryAPI.echo: .*unexpected keyword argument 'thrice'"):
+            rt.call(BoundaryAPI.echo, 3, thrice=True)
+        with pytest.raises(TypeError, match=r"BoundaryAPI.fail: missing a required argument: 'message'"):
+            rt.call(BoundaryAPI.fail, "value")
+        with pytest.raises(TypeError, match=r"PeerAPI.ping.* is not a method of BoundaryAPI"):
+            rt.call(PeerAPI.ping)
+        # errors arrive with their type (a timeout is both a TimeoutError and a DedlocError), and their peers
+        with pytest.raises(PeerTimeoutError, match="waited too long") as e:
+            rt.call(BoundaryAPI.fail, "timeout", "waited too long")
+        assert isinstance(e.value, TimeoutError) and isinstance(e.value, DedlocError)
+        with pytest.raises(StateError, match="no donor") as e:
+            rt.call(BoundaryAPI.fail, "state", "no donor")
+        assert e.value.peers == ("donor-a", "donor-b")
+        with pytest.raises(ConfigError):
+            rt.call(BoundaryAPI.fail, "config", "bad value")
+        with pytest.raises(DedlocError, match=r"^ValueError: odd$"):
+            rt.call(BoundaryAPI.fail, "value", "odd")
+        assert rt.alive  # none of it broke the runtime
+    finally:
+        rt.close()
+    assert not rt.alive

@@ -640,3 +640,40 @@ def test_framed_parts_that_concatenate_alike_give_different_bytes():
     assert framed("ab", "c") != framed("a", "bc")
     assert framed(b"x", "y") == b"\0\0\0\1x\0\0\0\1y"
     assert framed("é", width=2) == b"\0\2" + "é".encode()
+
+
+def test_a_service_whose_method_differs_from_its_declaration_fails_at_its_class_statement():
+    from abc import abstractmethod
+
+    from dedloc.net.runtime import RemoteAPI
+    from dedloc.peer_api import PeerAPI
+    from dedloc.service import PeerService
+
+    assert "pending_round" in PeerService.declared and "shutdown" not in PeerService.declared
+
+    class API(RemoteAPI, api=True):
+        @abstractmethod
+        async def read(self, step: int, timeout: float = 1.0) -> int:
+            """."""
+
+    with pytest.raises(TypeError, match=r"Renamed does not implement API.read"):
+        class Renamed(API):
+            async def reads(self, step: int, timeout: float = 1.0) -> int:
+                return step
+    with pytest.raises(TypeError, match=r"Reordered.read\(self, timeout: float = 1.0, step: int = 0\) -> int differs from its "
+                                          r"declaration API.read\(self, step: int, timeout: float = 1.0\)"):
+        class Reordered(API):
+            async def read(self, timeout: float = 1.0, step: int = 0) -> int:
+                return step
+    with pytest.raises(TypeError, match=r"Partial does not implement PeerAPI.pending_round"):
+        class Partial(PeerService):  # the service as it was, its method named as the training side once called it
+            pending_round = PeerAPI.pending_round  # (the declaration's abstract method: not implemented)
+
+            async def pending_numel(self, step: int) -> int:
+                return 0
+
+    class Fits(API):
+        async def read(self, step: int, timeout: float = 1.0) -> int:
+            return step
+
+    assert Fits.declared == frozenset({"read"})

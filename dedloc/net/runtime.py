@@ -2,7 +2,8 @@
 
 The background process is started as ``python -m dedloc.net.child`` (so the user's script is
 never re-imported, guard or no guard) and talks to the training process over a socket pair:
-``call(method, ...)`` runs ``await service.method(...)`` there and returns the result. Tensors
+``call(API.method, ...)`` runs ``await service.method(...)`` there and returns the result (only the
+methods the service's :class:`RemoteAPI` declares; errors keep their type). Tensors
 live in named shared memory (:class:`SharedBuffer`) and are used in place by both sides.
 
 Guarantees:
@@ -19,10 +20,13 @@ Guarantees:
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import atexit
 import concurrent.futures
+import functools
 import importlib
+import inspect
 import itertools
 import logging
 import os
@@ -35,7 +39,7 @@ import weakref
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any
+from typing import Any, Awaitable, Callable, ClassVar, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -56,20 +60,54 @@ def _close_all() -> None:
 atexit.register(_close_all)
 
 
-def _error_from(name: str, message: str, peers: tuple[str, ...] = ()) -> Exception:
-    cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, DedlocError):
-        return cls(message, peers=tuple(peers))
-    if isinstance(cls, type) and issubclass(cls, Exception):
-        return cls(message)
-    return DedlocError(f"{name}: {message}")
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class RemoteAPI(abc.ABC):
+    """The declaration of what a runtime's service offers, and its check.
+
+    An API class (``class PeerAPI(RemoteAPI, api=True)``) declares async methods as abstract; a
+    service implementing it (``class PeerService(PeerAPI)``) must define each with the same
+    parameters, or its class statement raises TypeError (at import, not in a run). Only declared
+    methods can be called across the boundary; the caller names them by the declaration
+    (``runtime.call(PeerAPI.info)``), so a renamed method fails where it is used."""
+
+    declared: ClassVar[frozenset[str]] = frozenset()
+
+    def __init_subclass__(cls, api: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._is_api = api
+        declaration = {name: f for base in reversed(cls.__mro__) if base.__dict__.get("_is_api", False)
+                       for name, f in vars(base).items() if getattr(f, "__isabstractmethod__", False)}
+        cls.declared = frozenset(declaration)
+        if api:
+            return
+        for name, declared in declaration.items():
+            impl, where = getattr(cls, name), ".".join(declared.__qualname__.split(".")[-2:])
+            if getattr(impl, "__isabstractmethod__", False):
+                raise TypeError(f"{cls.__name__} does not implement {where}")
+            if _parameters(impl) != _parameters(declared):
+                raise TypeError(f"{cls.__name__}.{name}{inspect.signature(impl)} differs from its declaration "
+                                f"{where}{inspect.signature(declared)}")
+
+
+def _parameters(f: Callable) -> list[tuple[str, Any, Any]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+
+@functools.cache
+def _signature(f: Callable) -> inspect.Signature:
+    return inspect.signature(f)
 
 
 class Runtime:
     """Handle on one background process running ``factory(*args)`` (an async service)."""
 
-    def __init__(self, factory: str, args: tuple, *, startup_timeout: float, name: str = "dedloc-runtime",
-                 log_level: str = "INFO"):
+    def __init__(self, factory: str, args: tuple, *, api: type[RemoteAPI], startup_timeout: float,
+                 name: str = "dedloc-runtime", log_level: str = "INFO"):
+        self.api = api
+        """What ``factory``'s service implements: the only methods ``call`` accepts."""
         self.info: dict[str, Any] = {}
         """What the service reported when it started (peer id, addresses, files to remove if killed)."""
         parent_sock, child_sock = socket.socketpair()
@@ -96,7 +134,7 @@ class Runtime:
         if kind != "ready":
             self._wait(10)
             self._kill()
-            raise _error_from(*payload)
+            raise errors.from_wire(*payload)
         self.info = payload[0]
         self._reader = threading.Thread(target=self._read_loop, name=f"{name}-reader", daemon=True)
         self._reader.start()
@@ -116,7 +154,18 @@ class Runtime:
         except subprocess.TimeoutExpired:
             pass
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+    def call_async(self, method: Callable[Concatenate[Any, P], Awaitable[R]], /, *args: P.args,
+                   **kwargs: P.kwargs) -> "concurrent.futures.Future[R]":
+        """Run ``method`` (a method of ``api``, as declared there) with these arguments in the service;
+        a future of its result or of its error (with its type: ``errors.from_wire``). Arguments that
+        do not fit the declaration raise TypeError here, before anything is sent."""
+        name = getattr(method, "__name__", None)
+        if name not in self.api.declared or getattr(self.api, name) is not method:
+            raise TypeError(f"{getattr(method, '__qualname__', method)!r} is not a method of {self.api.__qualname__}")
+        try:
+            _signature(method).bind(None, *args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{method.__qualname__}: {e}") from None
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._closed:
@@ -124,14 +173,15 @@ class Runtime:
             rid = next(self._ids)
             self._futures[rid] = fut
             try:
-                self._conn.send((rid, method, args, kwargs))
+                self._conn.send((rid, name, args, kwargs))
             except (OSError, BrokenPipeError):
                 self._futures.pop(rid, None)
                 raise RuntimeClosedError("the peer's background process is gone") from None
         return fut
 
-    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        return self.call_async(method, *args, **kwargs).result(timeout)
+    def call(self, method: Callable[Concatenate[Any, P], Awaitable[R]], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        """:meth:`call_async`, waiting for the result (``call_async(...).result(timeout)`` to bound the wait)."""
+        return self.call_async(method, *args, **kwargs).result()
 
     def _read_loop(self) -> None:
         while True:
@@ -145,7 +195,7 @@ class Runtime:
             if kind == "result":
                 fut.set_result(payload[0])
             else:
-                fut.set_exception(_error_from(*payload))
+                fut.set_exception(errors.from_wire(*payload))
         with self._lock:
             pending, self._futures = self._futures, {}
         for fut in pending.values():
@@ -247,7 +297,7 @@ async def _serve(conn, factory: str, args: tuple) -> None:
     try:
         service = await getattr(importlib.import_module(module), attr)(*args)
     except Exception as e:
-        conn.send(("failed", type(e).__name__, str(e)))
+        conn.send(("failed", *errors.to_wire(e)))
         return
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
@@ -267,12 +317,12 @@ async def _serve(conn, factory: str, args: tuple) -> None:
 
     async def handle(rid: int, method: str, a: tuple, kw: dict) -> None:
         try:
-            if method.startswith("_") or method not in service.PUBLIC:
+            if method not in service.declared:
                 raise DedlocError(f"unknown method {method!r}")
             result = await getattr(service, method)(*a, **kw)
             reply = ("result", rid, result)
         except Exception as e:
-            reply = ("error", rid, type(e).__name__, str(e), tuple(getattr(e, "peers", ())))
+            reply = ("error", rid, *errors.to_wire(e))
         try:
             conn.send(reply)
         except (OSError, BrokenPipeError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import abstractmethod
 from typing import Callable
 
 import torch
@@ -21,6 +22,7 @@ from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
 from dedloc.net.runtime import Runtime
 from dedloc.optim import CollaborativeOptimizer
 from dedloc.peer import Peer
+from dedloc.peer_api import PeerAPI
 from dedloc.records import ClosedRecord
 from dedloc.service import PeerService
 from dedloc.state import lineage
@@ -29,10 +31,16 @@ EVIL = 0.777
 """Every weight of the member's parameters is ``EVIL + 0.001 * step``."""
 
 
-class ClosingService(PeerService):
-    """The real peer service, plus one thing a malicious member can do with its own key."""
+class MemberAPI(PeerAPI, api=True):
+    """The peer's API, plus one thing a malicious member can do with its own key."""
 
-    PUBLIC = PeerService.PUBLIC | {"close_alone"}
+    @abstractmethod
+    async def close_alone(self, step: int, seconds: float, others: tuple[str, ...] = ()) -> None:
+        """Store a ``closed`` record of a group of this peer alone for ``step``, naming ``others`` too."""
+
+
+class ClosingService(PeerService, MemberAPI):
+    """The real peer service, implementing :class:`MemberAPI`."""
 
     async def close_alone(self, step: int, seconds: float, others: tuple[str, ...] = ()) -> None:
         mm = self.averager.matchmaker
@@ -49,7 +57,7 @@ class ClosingPeer(Peer):
     """A peer whose runtime serves :class:`ClosingService`."""
 
     def _start(self) -> Runtime:
-        return Runtime(f"{__name__}:create", (self.config, self.averaging),
+        return Runtime(f"{__name__}:create", (self.config, self.averaging), api=MemberAPI,
                        startup_timeout=self.config.startup_timeout, log_level=self.config.log_level)
 
 
@@ -82,7 +90,7 @@ class AloneTaker(threading.Thread):
             while not self.stop.is_set():
                 s = copt._report(busy=False).global_step
                 if copt.applied_step <= s:
-                    self.peer.runtime.call("close_alone", s, 20.0, self.others() if s % 2 else ())
+                    self.peer.runtime.call(MemberAPI.close_alone, s, 20.0, self.others() if s % 2 else ())
                     with torch.no_grad():
                         for p in self.model.parameters():
                             p.fill_(EVIL + 0.001 * s)

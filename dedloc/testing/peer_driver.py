@@ -17,6 +17,7 @@ import torch
 
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.peer import Peer
+from dedloc.peer_api import PeerAPI
 
 
 def vector(seed: int, numel: int) -> torch.Tensor:
@@ -42,7 +43,7 @@ def main() -> None:
             elif op == "connections":
                 answer = peer.connections()
             elif op == "maddrs":
-                answer = peer.runtime.call("info")["maddrs"]
+                answer = peer.runtime.call(PeerAPI.info)["maddrs"]
             elif op == "offer":
                 peer.offer_state(cmd["step"], vector(cmd["seed"], cmd["numel"]).numpy().tobytes())
                 answer = {}
