@@ -17,7 +17,7 @@ from dedloc.averaging.round_aggregator import AggregatorRole
 from dedloc.averaging.round_amend import AmendRole
 from dedloc.averaging.round_member import MemberRole
 from dedloc.averaging.group import Group, Member
-from dedloc.averaging.wire import Kind, read_header, write_contributors, write_frame
+from dedloc.averaging.wire import UNKNOWN_ROUND, Kind, read_header, write_contributors, write_error, write_frame
 from dedloc.errors import AveragingError
 from dedloc.net.transport import LocalPairs
 
@@ -198,6 +198,53 @@ def test_parts_that_averaged_different_contributors_are_amended_to_one_set(caplo
     assert all(r.amend.amended == [0, 1, 3] for r in rounds)
     assert all(r.stats.part_weights == {0: 6.0, 1: 6.0, 2: 6.0, 3: 6.0} for r in rounds)
     assert caplog.text.count("p3 reached 3 of 4 parts (missing from part(s) [2])") == 4, caplog.text
+
+
+class SkipsPart0(MemberRole):
+    async def contribute(self, j, to=None):
+        if j != 0:
+            await super().contribute(j, to)
+
+
+class ForgetsTheRound(AmendRole):
+    """Answers every amendment request as a restarted process does: it does not know the round."""
+
+    async def serve(self, k, header, reader, writer):
+        await write_error(writer, self.c.group.round_id, UNKNOWN_ROUND)
+        return True
+
+
+class RestartedAfterItsSends(PartitionedRound):
+    """A member that died between its sends (it never reached aggregator 0) and came back under the
+    same identity before the amendments: it backs up part 2, and knows nothing of the round."""
+
+    member_role = SkipsPart0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.amend = ForgetsTheRound(self.core)
+
+
+def test_an_amendment_whose_fixer_restarted_is_asked_of_the_next_fixer(caplog):
+    """Part 0 lacks member 3, so parts 1-3 are amended. Part 2's fixer is its backup, member 3, which
+    restarted and answers that it does not know the round: every member asks part 2's aggregator
+    instead (as when the backup cannot be reached), and members 0-2 end with the same exact mean over
+    themselves. Before, each of them failed the round on that answer."""
+    numel = 400_003
+    group = Group(RID, 0, tuple(Member(f"p{i}", float(i + 1), 1.0) for i in range(4)))
+    assert group.backup(2) == 3
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(numel, generator=gen) for _ in range(4)]
+    with caplog.at_level("WARNING", logger="dedloc.averaging"):
+        outs, rounds = asyncio.run(run_rounds(group, xs, [PartitionedRound] * 3 + [RestartedAfterItsSends],
+                                              timeout=8.0))
+    for out in outs[:3]:
+        assert isinstance(out, torch.Tensor), out
+        assert torch.equal(out, outs[0])
+    torch.testing.assert_close(outs[0], (xs[0] + 2 * xs[1] + 3 * xs[2]) / 6, atol=1e-5, rtol=1e-5)
+    assert all(r.stats.contributors == (0, 1, 2) and r.amend.amended == [1, 2, 3] for r in rounds[:3])
+    assert caplog.text.count("p3 does not know the round (it restarted), so it cannot re-reduce part 2; "
+                             "asking p2") == 3, caplog.text  # members 0-2 (aggregator 2 asks the backup first too)
 
 
 class Rejoined(PartitionedRound):

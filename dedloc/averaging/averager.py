@@ -31,7 +31,7 @@ from dedloc.averaging.group import Group, sub_round_id
 from dedloc.averaging.matchmaking import Matchmaker, SharePolicy
 from dedloc.averaging.ring import RingRound
 from dedloc.averaging.round_core import OpenStream
-from dedloc.averaging.wire import Header, Kind, read_header, read_payload_into, write_error, write_frame
+from dedloc.averaging.wire import UNKNOWN_ROUND, Header, Kind, read_header, read_payload_into, write_error, write_frame
 from dedloc.config import AveragingConfig
 from dedloc.errors import AveragingError, ProtocolError
 from dedloc.net.node import Node
@@ -252,7 +252,7 @@ class Averager:
             rnd = await self._lookup(header.round_id, 2 * self.config.matchmaking_time)
             if rnd is None:
                 logger.warning(f"peer {peer} sent a {header.kind.name} for an unknown round; refused")
-                await write_error(writer, header.round_id, "unknown round (missed or expired)")
+                await write_error(writer, header.round_id, UNKNOWN_ROUND)
                 wrote_last = True
                 return
             wrote_last = await rnd.handle(peer, header, reader, writer)

@@ -9,7 +9,8 @@ sets differ, and every member decides alike:
 - equal sets (the common case): nothing more happens; the cost is the set's few bytes per result;
 - different sets: the round's contributors ``C`` are the intersection of the parts' sets, and every
   part whose set is larger is re-reduced with exactly ``C``. Its *fixer* is the part's backup (or,
-  for a member that cannot reach the backup, the part's aggregator). Every member asks the fixer
+  for a member that cannot reach the backup or that the backup answers it does not know the round, as
+  a restarted one does to everyone, the part's aggregator). Every member asks the fixer
   with CONTRIBUTORS(C) then AMEND; members of ``C`` re-send their contribution in the AMEND frame.
   The fixer reads the contributions one at a time, in member order, and reduces them in that
   order, so the backup and the aggregator produce the same bits from the same inputs; it answers
@@ -29,8 +30,8 @@ import logging
 import torch
 
 from dedloc.averaging.round_core import RoundCore
-from dedloc.averaging.wire import Header, Kind, ProtocolError, read_contributors, read_header, write_contributors, \
-    write_error, write_frame
+from dedloc.averaging.wire import Header, Kind, ProtocolError, UnknownRound, read_contributors, read_header, \
+    write_contributors, write_error, write_frame
 from dedloc.errors import AveragingError
 
 logger = logging.getLogger(__name__)
@@ -216,6 +217,12 @@ class AmendRole:
                                                    c.contribution(j) if mine else None, c.chunk_bytes, reader),
                                  f"a{j}>{target}")
                 await c.read_result(reader, writer, j, target)
+            except UnknownRound:  # it restarted: it holds nothing of the round, and says so to everyone
+                if i + 1 == len(targets):
+                    raise
+                logger.warning(f"{c.prefix()}: {c.name(target)} does not know the round (it restarted), so it cannot "
+                               f"re-reduce part {j}; asking {c.name(targets[i + 1])}")
+                continue
             finally:
                 writer.close()
             if c.stats.part_sets[j] != agreed:

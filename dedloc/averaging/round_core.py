@@ -18,8 +18,8 @@ from dedloc.averaging.accumulator import PartAccumulator
 from dedloc.averaging.buffers import BufferPool
 from dedloc.averaging.group import Group, Member
 from dedloc.averaging.streamed_part import StreamedPart
-from dedloc.averaging.wire import Header, Kind, ProtocolError, check_payload, read_contributors, read_error_text, \
-    read_header, read_payload_into, write_contributors, write_error, write_frame
+from dedloc.averaging.wire import UNKNOWN_ROUND, Header, Kind, ProtocolError, check_payload, read_contributors, \
+    read_error_text, read_header, read_payload_into, refusal, write_contributors, write_error, write_frame
 from dedloc.errors import AveragingError
 from dedloc.net.bulk import Transfer, busy_seconds
 from dedloc.averaging.bounds import MAX_WEIGHTED, TOO_LARGE
@@ -249,7 +249,10 @@ class RoundCore:
         into the output; its weight and contributor set into the stats."""
         header = await read_header(reader)
         if header.kind == Kind.ERROR:
-            raise AveragingError(f"peer {self.name(who)} answered: {await read_error_text(reader, header)}")
+            text = await read_error_text(reader, header)
+            if text == UNKNOWN_ROUND:
+                raise refusal(f"peer {self.name(who)}", text)
+            raise AveragingError(f"peer {self.name(who)} answered: {text}")
         if header.kind != Kind.CONTRIBUTORS or header.part != part:
             raise ProtocolError(f"expected CONTRIBUTORS for part {part}, got {header.kind.name} for part {header.part}")
         contributors = self.check_contributors(await read_contributors(reader, header, len(self.group.members)), part)

@@ -20,7 +20,7 @@ from typing import Awaitable, Callable
 import numpy as np
 import torch
 
-from dedloc.errors import ProtocolError
+from dedloc.errors import AveragingError, ProtocolError
 from dedloc.net import bulk
 
 MAGIC = b"DDLC"
@@ -33,6 +33,21 @@ VERSION = 8  # 2: members carry a "fetch" flag, ready records the vector size; 3
 # 8: every part's RESULT is preceded by its contributor set (CONTRIBUTORS); parts that differ are amended (AMEND)
 HEADER = struct.Struct("<4sHBB16sIdQ")
 MAX_ERROR_BYTES = 4096
+UNKNOWN_ROUND = "unknown round (missed or expired)"
+"""The ERROR text of a peer that does not know the round a stream names (it restarted, the round
+expired there, or it never joined): the one refusal a caller tells apart (:class:`UnknownRound`)."""
+
+
+class UnknownRound(ProtocolError, AveragingError):
+    """A peer answered that it does not know this round (``UNKNOWN_ROUND``): it holds nothing of it,
+    so whoever else can serve the request may be asked instead."""
+
+
+def refusal(who: str, text: str) -> ProtocolError:
+    """The error for ``who`` answering ERROR with ``text``."""
+    if text == UNKNOWN_ROUND:
+        return UnknownRound(f"{who} does not know the round (it restarted, or the round expired there)")
+    return ProtocolError(f"{who} refused: {text}")
 DIGEST_BYTES = 32
 MAX_GROUP = 4096
 """The largest group a contributor set can name (matchmaking caps groups well below this)."""
@@ -152,7 +167,7 @@ async def write_frame(writer: asyncio.StreamWriter, kind: Kind, round_id: bytes,
         return bulk.Transfer(len(view), first.start, first.end + last.seconds, max(first.queue_s, last.queue_s))
     except bulk.ReceiverAnswered as e:
         why = await _refusal(reader)
-        raise ProtocolError(f"the receiver refused the payload: {why}" if why else str(e)) from None
+        raise (refusal("the receiver", why) if why else ProtocolError(str(e))) from None
 
 
 async def _refusal(reader: asyncio.StreamReader) -> str | None:
