@@ -150,7 +150,7 @@ def _work(rank: int, args: dict, port: int, boot: "mp.Queue", out: "mp.Queue") -
             return avg.step(timeout=limit) is not None, None
         step += 1
         stats = dedlocs[backend].average(x, step=step, weight=1.0, expected_peers=peers, timeout=limit)
-        return True, stats["allreduce_s"]
+        return True, stats.allreduce_s
 
     gen = torch.Generator().manual_seed(rank)
     for n in sizes:

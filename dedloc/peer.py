@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dedloc.averaging.bounds import WeightBounds
+from dedloc.averaging.outcome import RoundOutcome
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import AveragingError, BootstrapError
 from dedloc.net.runtime import Runtime, SharedBuffer
@@ -150,7 +151,7 @@ class Peer:
     def average_async(self, tensor: torch.Tensor, *, step: int, weight: float, expected_peers: int | None = None,
                       timeout: float | None = None, gather_time: float | None = None,
                       bounds: WeightBounds | None = None):
-        """Start averaging; returns (future of stats, finish) where finish() copies the result back.
+        """Start averaging; returns (future of its RoundOutcome, finish) where finish() copies the result back.
         Concurrent calls never share a buffer: each holds its own until its finish() returns or raises."""
         if not tensor.is_floating_point():
             raise AveragingError(f"can only average floating-point tensors, got {tensor.dtype}")
@@ -164,7 +165,7 @@ class Peer:
             self._free[tensor.numel()].append(name)
             raise
 
-        def finish() -> dict[str, Any]:
+        def finish() -> RoundOutcome:
             try:
                 stats = fut.result()
                 with torch.no_grad():
@@ -178,13 +179,13 @@ class Peer:
 
     def average(self, tensor: torch.Tensor, *, step: int, weight: float, expected_peers: int | None = None,
                 timeout: float | None = None, gather_time: float | None = None,
-                bounds: WeightBounds | None = None) -> dict[str, Any]:
-        """Replace ``tensor`` by the sample-weighted mean over this step's group; return round stats.
+                bounds: WeightBounds | None = None) -> RoundOutcome:
+        """Replace ``tensor`` by the sample-weighted mean over this step's group; return the round's outcome.
 
         Matchmaking waits up to ``gather_time`` (default: matchmaking_time) for ``expected_peers``.
         ``bounds``: the largest weight each member may bring (averaging/bounds.py; None: only 2^40).
         Every part of a round averages one and the same set of contributions, named in
-        ``stats["contributors"]`` (peer ids; absent for hierarchical groups); a round whose parts would
+        ``outcome.contributors`` (peer ids; None for hierarchical groups); a round whose parts would
         average different sets (a sender that died between its parts) raises AveragingError on every
         member, naming whose contributions each part lacks, and leaves ``tensor`` untouched.
         """

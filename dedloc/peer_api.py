@@ -13,6 +13,7 @@ from abc import abstractmethod
 from typing import Any
 
 from dedloc.averaging.bounds import WeightBounds
+from dedloc.averaging.outcome import RoundOutcome
 from dedloc.net.runtime import RemoteAPI
 from dedloc.records import ProgressRecord
 
@@ -84,7 +85,7 @@ class PeerAPI(RemoteAPI, api=True):
     @abstractmethod
     async def average(self, name: str, step: int, weight: float, expected_peers: int | None = None,
                       timeout: float | None = None, gather_time: float | None = None,
-                      bounds: WeightBounds | None = None) -> dict[str, Any]:
+                      bounds: WeightBounds | None = None) -> RoundOutcome:
         """Average buffer ``name`` in place over this step's group (``Peer.average``); the round's stats."""
 
     @abstractmethod

@@ -16,6 +16,7 @@ from typing import Any
 
 from dedloc.averaging.averager import Averager
 from dedloc.averaging.bounds import WeightBounds
+from dedloc.averaging.outcome import RoundOutcome
 from dedloc.averaging.round_core import RoundStats
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import ConfigError, DedlocError
@@ -172,7 +173,7 @@ class PeerService(PeerAPI):
 
     async def average(self, name: str, step: int, weight: float, expected_peers: int | None = None,
                       timeout: float | None = None, gather_time: float | None = None,
-                      bounds: WeightBounds | None = None) -> dict[str, Any]:
+                      bounds: WeightBounds | None = None) -> RoundOutcome:
         if name not in self.buffers:
             raise DedlocError(f"unknown buffer {name!r}")
         if bounds is not None and not isinstance(bounds, WeightBounds):
@@ -183,19 +184,18 @@ class PeerService(PeerAPI):
         self.metrics.round(stats)
         return stats
 
-    def _report_round(self, stats: dict[str, Any]) -> None:
+    def _report_round(self, stats: RoundOutcome) -> None:
         """Add this round to this peer's round reports and, if it aggregated, to its credits
         (records.RoundReport, records.CreditRecord); both are published in the background."""
         plan = self.planner.last_plan
-        predicted = plan.predicted_s if plan is not None and set(plan.peer_ids) == set(stats["peers"]) else 0.0
+        predicted = plan.predicted_s if plan is not None and set(plan.peer_ids) == set(stats.peers) else 0.0
         self._rounds.append(RoundReport(
-            self.node.peer_id.to_base58(), stats.get("round_id", ""), stats["step"], tuple(stats["peers"]),
-            tuple(stats.get("shares", ())), str(stats.get("strategy", "")), stats.get("allreduce_s", 0.0),
-            stats.get("matchmaking_s", 0.0), stats["failovers"], predicted, time.time()))
-        fraction = stats.get("accepted_fraction", 0.0)
-        for peer, weight in stats.get("accepted", {}).items():
+            self.node.peer_id.to_base58(), stats.round_id, stats.step, stats.peers, stats.shares, stats.strategy,
+            stats.allreduce_s, stats.matchmaking_s, stats.failovers, predicted, time.time()))
+        fraction = stats.accepted_fraction
+        for peer, weight in stats.accepted.items():
             samples, rounds, _ = self._credits.get(peer, (0.0, 0.0, 0))
-            self._credits[peer] = (samples + fraction * weight, rounds + fraction, stats["step"])
+            self._credits[peer] = (samples + fraction * weight, rounds + fraction, stats.step)
         if self._publishing is None or self._publishing.done():
             self._publishing = asyncio.create_task(self._publish_rounds())
 

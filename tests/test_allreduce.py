@@ -31,9 +31,9 @@ def test_weighted_mean_with_client_and_aggregator_only(make_peers):
         ref = sum(w * x for w, x in zip(ws, xs)) / sum(ws)
         stats = average_all(peers, xs, ws, step)
         check_exact_and_identical(xs, ref)
-        assert {s["group_size"] for s in stats} == {4}
-        assert all(s["total_weight"] == pytest.approx(15.0) for s in stats)
-        assert stats[0]["excluded"] == {} and stats[0]["failovers"] == 0
+        assert {s.group_size for s in stats} == {4}
+        assert all(s.total_weight == pytest.approx(15.0) for s in stats)
+        assert stats[0].excluded == {} and stats[0].failovers == 0
     # the client never aggregates: the group agreed share 0 for it (no part for it to serve)
     assert peers[3].maddrs == []
 
@@ -55,7 +55,7 @@ def test_ring_strategy_and_verified_float16_wire(make_peers):
     ref = sum(w * x for w, x in zip(ws, xs)) / sum(ws)
     stats = average_all(peers, xs, ws, 0)
     check_exact_and_identical(xs, ref, atol=2e-2)
-    assert [s["verified"] for s in stats] == [2, 2, 2] and all(s["failovers"] == 0 for s in stats)
+    assert [s.verified for s in stats] == [2, 2, 2] and all(s.failovers == 0 for s in stats)
 
 
 def test_hierarchical_groups_give_every_peer_the_same_mean(make_peers):
@@ -68,7 +68,7 @@ def test_hierarchical_groups_give_every_peer_the_same_mean(make_peers):
     ref = sum(w * x for w, x in zip(ws, xs)) / sum(ws)
     stats = average_all(peers, xs, ws, 0)
     check_exact_and_identical(xs, ref)
-    assert {s["group_size"] for s in stats} == {5}
+    assert {s.group_size for s in stats} == {5}
 
 
 def test_late_peer_is_told_it_missed_the_round_and_joins_the_next(make_peers):
@@ -86,7 +86,7 @@ def test_late_peer_is_told_it_missed_the_round_and_joins_the_next(make_peers):
     assert len(members) == 1 and peers[2].peer_id not in next(iter(members.values()))
     xs = [torch.full((10,), float(i)) for i in range(3)]
     stats = average_all(peers, xs, [1.0, 1.0, 1.0], step=6)
-    assert stats[2]["group_size"] == 3 and torch.equal(xs[2], torch.full((10,), 1.0))
+    assert stats[2].group_size == 3 and torch.equal(xs[2], torch.full((10,), 1.0))
 
 
 def test_progress_records_form_one_view(make_peers):

@@ -83,7 +83,7 @@ def test_a_restarted_peer_is_not_handed_its_predecessors_group(tmp_path):
             t.start()
         for t in threads:
             t.join(60)
-        assert len(results) == 2 and results[leader.peer_id]["group_size"] == 2
+        assert len(results) == 2 and results[leader.peer_id].group_size == 2
         member.close()
         member = Peer(cfg, AVG)
         with pytest.raises(MissedRoundError):
@@ -400,7 +400,7 @@ def test_a_step_most_peers_already_took_is_missed_even_after_its_closed_records_
         with pytest.raises(MatchmakingError, match="not taken as this peer's alone"):  # a trainer at the step: rule 14
             late.average(torch.ones(4), step=5, weight=1.0, expected_peers=1)
         stats = late.average(torch.ones(4), step=5, weight=1.0, expected_peers=1)
-        assert stats["group_size"] == 1
+        assert stats.group_size == 1
     finally:
         for p in peers:
             p.close()
@@ -474,7 +474,7 @@ def test_a_closed_record_outliving_its_failed_round_closes_nothing():
             assert late.closed_round(0) == {}
             with pytest.raises(MatchmakingError, match="not taken as this peer's alone"):  # the member is at step 0
                 late.average(torch.ones(4), step=0, weight=1.0, expected_peers=1)
-            assert late.average(torch.ones(4), step=0, weight=1.0, expected_peers=1)["group_size"] == 1
+            assert late.average(torch.ones(4), step=0, weight=1.0, expected_peers=1).group_size == 1
             # step 1's round succeeded for its member (it holds the update of step 1): the step stays closed
             member.report(ProgressRecord(member.peer_id, 2, 0, 1.0, Role.TRAINER, time=time.time(),
                                          fingerprint="2:" + "cd" * 8))
@@ -523,7 +523,7 @@ def test_a_follower_leading_past_its_deadline_still_sees_the_group_that_took_the
     try:
         with cf.ThreadPoolExecutor(2) as pool:
             stats = list(pool.map(lambda p: p.average(torch.ones(4), step=0, weight=8.0, expected_peers=2), (a, b)))
-        assert all(s["group_size"] == 2 for s in stats)
+        assert all(s.group_size == 2 for s in stats)
         with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(a.maddrs)), late_lead):
             pass
         assert "group" not in outcome, "it took step 0 alone, beside the group that took it"
@@ -583,12 +583,12 @@ def test_a_round_of_clients_and_aggregators_alone_does_not_close_the_step(make_p
         runs = [pool.submit(client.average, torch.ones(4), step=0, weight=8.0, expected_peers=2),
                 pool.submit(aggregator.average, torch.zeros(4), step=0, weight=0.0, expected_peers=2)]
         stats = [r.result(60) for r in runs]
-    assert sorted(stats[0]["peers"]) == sorted([client.peer_id, aggregator.peer_id])
+    assert sorted(stats[0].peers) == sorted([client.peer_id, aggregator.peer_id])
     # their ready records are still up, and they never joined: the trainer declines once (rule 14)
     with pytest.raises(MatchmakingError, match="not taken as this peer's alone"):
         trainer.average(torch.full((4,), 3.0), step=0, weight=8.0, expected_peers=1)
     late = trainer.average(torch.full((4,), 3.0), step=0, weight=8.0, expected_peers=1)
-    assert late["peers"] == [trainer.peer_id]
+    assert late.peers == (trainer.peer_id,)
 
 
 def test_a_round_of_clients_and_aggregators_is_left_to_a_trainer_at_the_step(make_peers):
@@ -613,7 +613,7 @@ def test_a_round_of_clients_and_aggregators_is_left_to_a_trainer_at_the_step(mak
         runs = [pool.submit(p.average, torch.full((4,), float(i)), step=0, weight=w, expected_peers=3)
                 for i, (p, w) in enumerate([(trainer, 8.0), (client, 8.0), (aggregator, 0.0)])]
         stats = [r.result(60) for r in runs]
-    assert all(sorted(s["peers"]) == sorted([trainer.peer_id, client.peer_id, aggregator.peer_id]) for s in stats), stats
+    assert all(sorted(s.peers) == sorted([trainer.peer_id, client.peer_id, aggregator.peer_id]) for s in stats), stats
 
 
 def catching_up_on_step_0(peer: Peer, state_timeout: float) -> tuple[CollaborativeOptimizer, cf.Future]:
@@ -896,7 +896,7 @@ def test_a_leader_whose_round_failed_reopens_the_step(tmp_path):
                 time.sleep(0.1)
             # the leader answers 'pass me over' (before the fix: 'missed', for as long as it ran)
             stats = peer.average(torch.full((4,), 3.0), step=0, weight=8.0, expected_peers=1)
-            assert stats["peers"] == [peer.peer_id], stats
+            assert stats.peers == (peer.peer_id,), stats
     finally:
         reopen.set()
         peer.close()
@@ -1090,7 +1090,7 @@ def test_a_leader_with_longer_settings_answers_its_joiner_in_time_and_takes_the_
             futures = [pool.submit(p.average, torch.full((64,), float(w)), step=0, weight=float(w), expected_peers=3)
                        for p, w in ((leader, 1), (joiner, 3))]
             stats = [f.result(120) for f in futures]  # before the fix: MatchmakingError at the joiner
-        assert [s["group_size"] for s in stats] == [2, 2]
+        assert [s.group_size for s in stats] == [2, 2]
         # the round's deadline is the joiner's 10 s, not the leader's 60 s (plus CLOSED_GRACE, 5 s)
         assert leader.round_deadline(0) - time.time() < 15
     finally:
@@ -1204,7 +1204,7 @@ def test_the_peers_that_pass_a_frozen_leader_over_regroup_in_a_fresh_window(tmp_
                 outcomes = []
                 for r in runs:
                     try:
-                        outcomes.append(sorted(r.result(60)["peers"]))
+                        outcomes.append(sorted(r.result(60).peers))
                     except MatchmakingError as e:
                         outcomes.append(str(e))
             finally:

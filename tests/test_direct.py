@@ -211,9 +211,9 @@ def test_rounds_go_direct_and_a_pair_that_cannot_falls_back_to_libp2p(make_peers
         assert torch.equal(x, torch.full((100_000,), 1.0))
     # peers 0 and 1 open 2 streams to each other directly and 2 to peer 2 over libp2p; peer 2's own
     # streams to them go direct (their endpoints are TLS, which it can always use)
-    assert stats[0]["streams"] == {"direct": 2, "libp2p": 2}, stats[0]
-    assert stats[1]["streams"] == {"direct": 2, "libp2p": 2}, stats[1]
-    assert stats[2]["streams"] == {"direct": 4, "libp2p": 0}, stats[2]
+    assert stats[0].streams == {"direct": 2, "libp2p": 2}, stats[0]
+    assert stats[1].streams == {"direct": 2, "libp2p": 2}, stats[1]
+    assert stats[2].streams == {"direct": 4, "libp2p": 0}, stats[2]
 
     # states and probes take the same path, under a grant each peer asks for over libp2p
     blob = bytes(range(256)) * 4096  # 1 MiB

@@ -12,6 +12,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from dedloc.averaging.matchmaking import Matchmaker
+from dedloc.averaging.outcome import RoundOutcome
 from dedloc.averaging.wire import VERSION, Kind, read_header, read_payload_into, write_frame
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import AveragingError, MatchmakingError, ProtocolError, RuntimeClosedError
@@ -68,7 +69,7 @@ def test_sender_killed_mid_round(make_peers):
     assert isinstance(outcomes[3], RuntimeClosedError)
     survivors = [xs[i] for i in range(3)]
     for i in range(3):
-        assert isinstance(outcomes[i], dict), outcomes[i]
+        assert isinstance(outcomes[i], RoundOutcome), outcomes[i]
         assert torch.equal(survivors[i], survivors[0])
     either_reference(survivors, originals, ws, 3)
 
@@ -80,9 +81,9 @@ def test_aggregator_killed_mid_round(make_peers):
     xs, originals, outcomes, _ = run_with_victim(peers, victim, ws, 30)
     alive = [i for i in range(4) if i != victim]
     for i in alive:
-        assert isinstance(outcomes[i], dict), outcomes[i]
+        assert isinstance(outcomes[i], RoundOutcome), outcomes[i]
         assert torch.equal(xs[i], xs[alive[0]])
-    assert sum(outcomes[i]["failovers"] for i in alive) >= 1
+    assert sum(outcomes[i].failovers for i in alive) >= 1
     either_reference([xs[alive[0]]], originals, ws, victim)
 
 
@@ -171,9 +172,9 @@ def test_hostile_member_and_hostile_streams_are_rejected(make_peers):
         for x in xs:
             assert torch.equal(x, xs[0])
         torch.testing.assert_close(xs[0], ref, atol=1e-5, rtol=1e-5)
-        excluded = set().union(*(s["excluded"] for s in stats))
+        excluded = set().union(*(s.excluded for s in stats))
         assert len(excluded) == 1 and excluded.isdisjoint({p.peer_id for p in peers}), excluded
-        assert all(s["group_size"] == 4 for s in stats)
+        assert all(s.group_size == 4 for s in stats)
     # each bad contribution was refused with a reason (or not read at all), yet the hostile member
     # still got every result (it is told nothing it could not compute itself)
     kinds = [kind for key, kind in answers.items() if isinstance(key, tuple) and key[0] != "pull"]
@@ -217,9 +218,9 @@ def test_ready_peer_that_never_answers_joins_cannot_stall_matchmaking(make_peers
                                  zip(peers, xs)))
     for x in xs:
         assert torch.equal(x, torch.full((1000,), 1.0))
-    assert all(s["peers"] == stats[0]["peers"] and s["group_size"] == 3 for s in stats)
+    assert all(s.peers == stats[0].peers and s.group_size == 3 for s in stats)
     # the documented bound: matchmaking returns within about 2 x matchmaking_time plus RPC deadlines
-    assert max(s["matchmaking_s"] for s in stats) < 4 * mm_time, [s["matchmaking_s"] for s in stats]
+    assert max(s.matchmaking_s for s in stats) < 4 * mm_time, [s.matchmaking_s for s in stats]
 
 
 def test_local_nan_and_bad_tensor_refused_before_sending(make_peers):
@@ -254,7 +255,7 @@ def test_busy_training_thread_does_not_stall_networking(make_peers):
     finally:
         sys.setswitchinterval(old)
     stats = [finish() for _, finish in pending]
-    assert all(s["group_size"] == 2 for s in stats)
+    assert all(s.group_size == 2 for s in stats)
     assert torch.equal(xs[0], torch.full((100_000,), 0.5)) and torch.equal(xs[1], xs[0])
 
 
@@ -314,7 +315,7 @@ def test_no_single_claim_steers_the_mean(make_peers):
             futures[2].result()
         stats = [f.result() for f in futures[:2]]
     assert torch.equal(xs[0], torch.full((1000,), 3.0)) and torch.equal(xs[1], xs[0])  # (10*1 + 20*4) / 30
-    assert all(s["group_size"] == 2 for s in stats)
+    assert all(s.group_size == 2 for s in stats)
 
     # the same claim from the leader itself: its followers refuse the group it formed
     leader, follower = sorted((honest_a, honest_b), key=lambda p: p.peer_id)
@@ -337,7 +338,7 @@ def test_no_single_claim_steers_the_mean(make_peers):
         stats = list(pool.map(lambda a: a[0].average(a[1], step=2, weight=a[2], expected_peers=3),
                               zip((honest_a, honest_b, greedy), xs, ws)))
     assert torch.equal(xs[0], torch.full((1000,), 3.0)) and torch.equal(xs[1], xs[0])
-    assert "product with its weight exceeds 1e30" in stats[0]["excluded"][greedy.peer_id]
+    assert "product with its weight exceeds 1e30" in stats[0].excluded[greedy.peer_id]
 
 
 @contextlib.asynccontextmanager

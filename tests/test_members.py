@@ -241,7 +241,7 @@ def test_a_leader_answering_missed_without_a_group_that_closed_the_step_is_passe
         a.close()
         b.close()
     assert set(asked) == {a_id, b_id}, asked  # both asked the liar first
-    assert [s["group_size"] for s in stats] == [2, 2], stats
+    assert [s.group_size for s in stats] == [2, 2], stats
 
 
 def test_a_member_replaying_another_members_dht_request_800_times_gets_it_cut_off_no_more(tmp_path, caplog):

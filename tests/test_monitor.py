@@ -153,7 +153,7 @@ class Collab:
                 with cf.ThreadPoolExecutor(3) as pool:
                     stats = list(pool.map(lambda a: a[0].average(torch.ones(1000), step=step, weight=a[1],
                                                                  expected_peers=3), zip(self.peers, weights)))
-                assert all(s["group_size"] == 3 for s in stats)
+                assert all(s.group_size == 3 for s in stats)
                 for p, loss, n in zip(self.peers, (1.0, 2.0, 3.0), (10, 20, 30)):
                     _publish(p, step + 1, loss + step, n)
             self.expected = {p.peer_id: (2 * w, 2.0) for p, w in zip(self.peers, weights)}

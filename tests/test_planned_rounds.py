@@ -43,10 +43,10 @@ def test_declared_links_give_a_parameter_server_that_every_member_follows(make_p
     for x in xs:
         assert torch.equal(x, xs[0])
     torch.testing.assert_close(xs[0], ref, atol=1e-5, rtol=1e-5)
-    order = stats[0]["peers"]
-    shares = dict(zip(order, stats[0]["shares"]))
+    order = stats[0].peers
+    shares = dict(zip(order, stats[0].shares))
     assert shares[peers[1].peer_id] == pytest.approx(1.0)
-    assert all(s["shares"] == stats[0]["shares"] for s in stats)
+    assert all(s.shares == stats[0].shares for s in stats)
 
 
 def test_aggregator_only_peers_take_the_work_and_need_no_result(make_peers):
@@ -66,7 +66,7 @@ def test_aggregator_only_peers_take_the_work_and_need_no_result(make_peers):
         assert torch.equal(xs[i], xs[0])
     torch.testing.assert_close(xs[0], ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(xs[2], helper_before[0]) and torch.equal(xs[4], helper_before[1])
-    shares = dict(zip(stats[0]["peers"], stats[0]["shares"]))
+    shares = dict(zip(stats[0].peers, stats[0].shares))
     assert shares[peers[2].peer_id] == pytest.approx(0.5) and shares[peers[4].peer_id] == pytest.approx(0.5)
     with pytest.raises(Exception, match="contributes nothing"):
         peers[2].average(torch.zeros(10), step=1, weight=1.0)

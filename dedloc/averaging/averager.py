@@ -19,7 +19,7 @@ import asyncio
 import ipaddress
 import logging
 import time
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 import torch
 from hivemind.utils.multiaddr import Multiaddr
@@ -29,6 +29,7 @@ from dedloc.averaging.bounds import WeightBounds, weight_ok
 from dedloc.averaging.buffers import BufferPool
 from dedloc.averaging.group import Group, sub_round_id
 from dedloc.averaging.matchmaking import Matchmaker, SharePolicy
+from dedloc.averaging.outcome import RoundOutcome
 from dedloc.averaging.ring import RingRound
 from dedloc.averaging.round_core import OpenStream
 from dedloc.averaging.wire import UNKNOWN_ROUND, Header, Kind, read_header, read_payload_into, write_error, write_frame
@@ -165,12 +166,11 @@ class Averager:
             await self._lookup(round_id, 2 * self.config.matchmaking_time)
         return self._keys.get(round_id)
 
-    def _opener(self, group: Group, stats: dict[str, Any]) -> OpenStream:
+    def _opener(self, group: Group, outcome: RoundOutcome) -> OpenStream:
         """How this round reaches a member: a direct connection where the group and the member allow
-        it, else (or if it fails) a libp2p stream (net/tcp.RoundConnections); counted in ``stats["streams"]``."""
-        counts = stats.setdefault("streams", {"direct": 0, "libp2p": 0})
+        it, else (or if it fails) a libp2p stream (net/tcp.RoundConnections); counted in ``outcome.streams``."""
         rt = RoundConnections(self.tcp, group.round_id, group.key, {m.peer_id: m.data for m in group.members},
-                              group.encryption, self._libp2p, counts)
+                              group.encryption, self._libp2p, outcome.streams)
         return lambda peer_id: rt.open(peer_id, self.proto)
 
     # ---- round registry -------------------------------------------------------------------------
@@ -270,10 +270,10 @@ class Averager:
     # ---- the entry point ----------------------------------------------------------------------------
     async def average(self, tensor: torch.Tensor, step: int, weight: float, expected_peers: int | None = None,
                       timeout: float | None = None, gather_time: float | None = None,
-                      bounds: WeightBounds | None = None) -> dict[str, Any]:
+                      bounds: WeightBounds | None = None) -> RoundOutcome:
         """Average ``tensor`` (flat, float32, CPU) in place with this step's group.
 
-        Returns stats: group size, members, weights, excluded peers, failovers and timings.
+        Returns the round's outcome: members, weights, excluded peers, failovers and timings.
         Raises MissedRoundError / MatchmakingError / AveragingError; the tensor is then untouched.
         """
         if tensor.dtype != torch.float32 or tensor.dim() != 1 or tensor.device.type != "cpu":
@@ -292,10 +292,9 @@ class Averager:
         timeout = group.timeout or timeout  # the leader's: every member gives up on the round together
         t1 = time.perf_counter()
         me = group.index(self.me)
-        stats: dict[str, Any] = {"step": step, "group_size": len(group.members), "round_id": group.round_id.hex(),
-                                 "peers": [m.peer_id for m in group.members], "failovers": 0, "excluded": {},
-                                 "shares": [m.share for m in group.members], "strategy": group.strategy,
-                                 "weights": [m.weight for m in group.members]}
+        stats = RoundOutcome(step, group.round_id.hex(), tuple(m.peer_id for m in group.members),
+                             tuple(m.weight for m in group.members), tuple(m.share for m in group.members),
+                             group.strategy)
         try:
             output, total = await self._run(group, me, tensor, weight, timeout, stats)
         except Exception:
@@ -303,14 +302,14 @@ class Averager:
             raise
         if group.members[me].fetch:
             tensor.copy_(output)
-        stats.update(total_weight=total, matchmaking_s=t1 - t0, allreduce_s=time.perf_counter() - t1)
+        stats.total_weight, stats.matchmaking_s, stats.allreduce_s = total, t1 - t0, time.perf_counter() - t1
         logger.info(f"step {step} averaged with {len(group.members)} peers in {time.perf_counter() - t0:.2f} s"
-                    + (f" ({stats['failovers']} failovers, excluded {sorted(stats['excluded'])})"
-                       if stats["failovers"] or stats["excluded"] else ""))
+                    + (f" ({stats.failovers} failovers, excluded {sorted(stats.excluded)})"
+                       if stats.failovers or stats.excluded else ""))
         return stats
 
     async def _run(self, group: Group, me: int, tensor: torch.Tensor, weight: float, timeout: float,
-                   stats: dict[str, Any]) -> tuple[torch.Tensor, float]:
+                   stats: RoundOutcome) -> tuple[torch.Tensor, float]:
         """The round itself, by the group's strategy: (the averaged vector, its total weight)."""
         if len(group.members) == 1:
             return tensor.clone(), weight
@@ -319,9 +318,9 @@ class Averager:
             self._register(group.round_id, rnd, timeout + ROUND_GRACE, group)
             try:
                 out = await rnd.run()
-                stats["accepted"] = {m.peer_id: m.weight for m in group.members}  # each member reduces 1/n
-                stats["contributors"] = [m.peer_id for m in group.members if m.weight > 0]  # all or nobody
-                stats["accepted_fraction"] = 1 / len(group.members)
+                stats.accepted = {m.peer_id: m.weight for m in group.members}  # each member reduces 1/n
+                stats.contributors = tuple(m.peer_id for m in group.members if m.weight > 0)  # all or nobody
+                stats.accepted_fraction = 1 / len(group.members)
                 return out, group.total_weight
             finally:
                 self._observed(rnd.stats, stats)
@@ -330,31 +329,33 @@ class Averager:
         return await self._partitioned(group, me, tensor, weight, timeout, stats, agreed=True)
 
     async def _partitioned(self, group: Group, me: int, local: torch.Tensor, weight: float, timeout: float,
-                           stats: dict[str, Any], agreed: bool = False) -> tuple[torch.Tensor, float]:
-        """One partitioned round; with ``agreed`` (a flat group), ``stats["contributors"]`` names the one
-        contributor set all its parts averaged."""
+                           stats: RoundOutcome, agreed: bool = False, credits: bool = True) -> tuple[torch.Tensor, float]:
+        """One partitioned round; with ``agreed`` (a flat group), ``stats.contributors`` names the one
+        contributor set all its parts averaged. With ``credits``, what it aggregated goes into
+        ``stats.accepted`` (not for a hierarchical round's top round, whose contributors are the
+        subgroups' representatives, not peers)."""
         rnd = PartitionedRound(group, me, local, weight, self._opener(group, stats), timeout, group.compression,
                                self.config.chunk_bytes, self.pool)
         self._register(group.round_id, rnd, timeout + ROUND_GRACE, group)
         try:
             output = await rnd.run()
         finally:
-            stats["failovers"] += rnd.stats.failovers
-            stats["verified"] = stats.get("verified", 0) + rnd.stats.verified
-            stats["excluded"].update(rnd.stats.excluded)
-            if "accepted" not in stats:  # a hierarchical round: its subgroup's (whose contributors are peers)
-                stats["accepted"], stats["accepted_fraction"] = dict(rnd.stats.accepted), rnd.stats.accepted_fraction
+            stats.failovers += rnd.stats.failovers
+            stats.verified += rnd.stats.verified
+            stats.excluded.update(rnd.stats.excluded)
+            if credits:
+                stats.accepted, stats.accepted_fraction = dict(rnd.stats.accepted), rnd.stats.accepted_fraction
             self._observed(rnd.stats, stats, rnd.served)
         if agreed and rnd.stats.contributors is not None:
-            stats["contributors"] = [group.members[i].peer_id for i in rnd.stats.contributors]
+            stats.contributors = tuple(group.members[i].peer_id for i in rnd.stats.contributors)
         weights = rnd.stats.part_weights
         total = min(weights.values()) if weights else weight
         return output, total
 
-    def _observed(self, rnd: RoundStats, stats: dict[str, Any], served: asyncio.Event | None = None) -> None:
+    def _observed(self, rnd: RoundStats, stats: RoundOutcome, served: asyncio.Event | None = None) -> None:
         """Record the round's queueing delay now; tell ``on_round`` once this member has sent all it
         will send in the round (``served``: an aggregator's results may still be going out)."""
-        stats["queue_s"] = max(stats.get("queue_s", 0.0), rnd.queue_s)
+        stats.queue_s = max(stats.queue_s, rnd.queue_s)
         if self.on_round is None:
             return
         if served is None or served.is_set():
@@ -375,7 +376,7 @@ class Averager:
             logger.debug(f"round observer failed: {e!r}")
 
     async def _hierarchical(self, group: Group, me: int, local: torch.Tensor, weight: float, timeout: float,
-                            stats: dict[str, Any]) -> tuple[torch.Tensor, float]:
+                            stats: RoundOutcome) -> tuple[torch.Tensor, float]:
         """Reduce within subgroups, then among their representatives, then fetch from the representative."""
         k = group.subgroup_of(me)
         sub = group.subgroup(k)
@@ -395,7 +396,8 @@ class Averager:
             declared = {group.representative(j): sum(group.members[i].weight for i in group.subgroups[j])
                         for j in range(len(group.subgroups))}
             top = group.top_group(declared)
-            out, total = await self._partitioned(top, top.index(self.me), sub_out, declared[rep], timeout / 3, stats)
+            out, total = await self._partitioned(top, top.index(self.me), sub_out, declared[rep], timeout / 3, stats,
+                                                 credits=False)
             broadcast.result.set_result((out, total))
             return out, total
         except BaseException as e:
@@ -405,7 +407,7 @@ class Averager:
             raise
 
     async def _fetch(self, group: Group, rep: int, final_id: bytes, numel: int, timeout: float,
-                     stats: dict[str, Any]) -> tuple[torch.Tensor, float]:
+                     stats: RoundOutcome) -> tuple[torch.Tensor, float]:
         peer = group.members[rep].peer_id
         try:
             async with asyncio.timeout(timeout):

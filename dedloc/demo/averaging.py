@@ -58,8 +58,8 @@ def run(cfg: AveragingDemoConfig, console: Console | None = None) -> dict:
                 err = max(float((x - ref).abs().max()) for x in xs)
                 same = all(torch.equal(xs[0], x) for x in xs)
                 results.append({"step": step, "seconds": dt, "max_err": err, "identical": same,
-                                "group_size": stats[0]["group_size"]})
-                table.add_row(str(step), str(stats[0]["group_size"]), f"{dt:.2f}", f"{err:.2e}", "yes" if same else "NO")
+                                "group_size": stats[0].group_size})
+                table.add_row(str(step), str(stats[0].group_size), f"{dt:.2f}", f"{err:.2e}", "yes" if same else "NO")
     finally:
         for p in peers:
             p.close()

@@ -14,6 +14,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from dedloc.averaging.outcome import RoundOutcome
 from dedloc.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -55,11 +56,11 @@ class PeerMetrics:
         self.resyncs.set(record.get("resyncs", 0))
         self.catchups.set(record.get("catchups", 0))
 
-    def round(self, stats: dict[str, Any]) -> None:
+    def round(self, outcome: RoundOutcome) -> None:
         self.rounds.inc()
-        self.failovers.inc(stats.get("failovers", 0))
-        self.round_seconds.observe(stats.get("allreduce_s", 0.0))
-        self.matchmaking_seconds.observe(stats.get("matchmaking_s", 0.0))
+        self.failovers.inc(outcome.failovers)
+        self.round_seconds.observe(outcome.allreduce_s)
+        self.matchmaking_seconds.observe(outcome.matchmaking_s)
 
     def transfers(self, sent: int, received: int) -> None:
         self.sent.inc(sent)

@@ -53,6 +53,7 @@ from typing import Any, Callable
 
 import torch
 
+from dedloc.averaging.outcome import RoundOutcome
 from dedloc.config import OptimizerConfig
 from dedloc.errors import (AveragingError, DedlocError, ForkError, MatchmakingError, ProtocolError, RuntimeClosedError,
                            StateError)
@@ -125,7 +126,7 @@ class _Inflight:
     step: int
     vector: torch.Tensor
     future: cf.Future
-    finish: Callable[[], dict[str, Any]]
+    finish: Callable[[], RoundOutcome]
     local_samples: int
     started: float
     overflowed: bool = False
@@ -606,14 +607,14 @@ class CollaborativeOptimizer:
         logger.warning(f"step {step} was lost by every member ({why}): skipped by all, parameters unchanged; "
                        f"still accumulating for step {self.global_step}")
 
-    def _apply(self, step: int, vector: torch.Tensor, stats: dict[str, Any], local_samples: int,
+    def _apply(self, step: int, vector: torch.Tensor, stats: RoundOutcome, local_samples: int,
                started: float, overflowed: bool = False) -> StepOutcome:
         """Apply the averaged gradient of ``step``; skipped (parameters unchanged) only when no member
         contributed to it (``total_weight`` 0: every member's gradient overflowed), which every
         member sees alike. The vector's last entry, once an overflow flag any member could set to
         make all skip, is ignored. The loss scale follows this peer's own overflows
         (``overflowed``), as a GradScaler does."""
-        overflow = float(stats.get("total_weight", local_samples)) <= 0
+        overflow = stats.total_weight <= 0
         if not overflow:
             self.acc.load_grads(vector)
             if self.config.clip_grad_norm is not None:
@@ -634,12 +635,10 @@ class CollaborativeOptimizer:
             # a peer waits for a newer state: offer it between applying this update and starting the
             # next round (when rounds outlast compute, no report falls in that gap)
             self.offer_state()
-        excluded = set(stats.get("excluded", ()))
-        contributors = tuple(stats["contributors"]) if "contributors" in stats else tuple(
-            p for p, w in zip(stats.get("peers", ()), stats.get("weights", ())) if w > 0 and p not in excluded)
-        record = RoundRecord(step, local_samples, float(stats.get("total_weight", local_samples)),
-                             int(stats.get("group_size", 1)), time.monotonic() - started, overflow, contributors,
-                             tuple(stats.get("peers", ())))
+        contributors = stats.contributors if stats.contributors is not None else tuple(
+            p for p, w in zip(stats.peers, stats.weights) if w > 0 and p not in stats.excluded)
+        record = RoundRecord(step, local_samples, stats.total_weight, stats.group_size, time.monotonic() - started,
+                             overflow, contributors, stats.peers)
         self.history.append(record)
         logger.info(f"step {step} averaged with {record.group_size} peers, batch {record.batch:.0f} samples, "
                     f"in {record.averaging_s:.2f} s" + (" (no member's gradient was finite: step skipped by all)"

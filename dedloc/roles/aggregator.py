@@ -68,7 +68,7 @@ class Aggregator:
                 stats = self.peer.average(torch.zeros(numel), step=step, weight=0.0, expected_peers=expected,
                                           gather_time=self.averaging.matchmaking_time)
                 self.rounds += 1
-                share = stats["shares"][stats["peers"].index(self.peer.peer_id)]
+                share = stats.share_of(self.peer.peer_id)
                 self.aggregated += share > 0
                 logger.debug(f"step {step}: aggregated a share of {share:.3f}")
             except MissedRoundError:

@@ -59,9 +59,9 @@ def main() -> None:
                 t0 = time.perf_counter()
                 stats = peer.average(x, step=cmd["step"], weight=cmd["weight"], expected_peers=cmd["expected"],
                                      timeout=cmd.get("timeout"), gather_time=cmd.get("gather_time"))
-                answer = {"seconds": time.perf_counter() - t0, "allreduce_s": stats["allreduce_s"],
-                          "shares": stats["shares"], "peers": stats["peers"], "group_size": stats["group_size"],
-                          "failovers": stats["failovers"], "queue_s": stats.get("queue_s", 0.0), "checksum": float(x.double().sum()),
+                answer = {"seconds": time.perf_counter() - t0, "allreduce_s": stats.allreduce_s,
+                          "shares": list(stats.shares), "peers": list(stats.peers), "group_size": stats.group_size,
+                          "failovers": stats.failovers, "queue_s": stats.queue_s, "checksum": float(x.double().sum()),
                           "head": x[:4].tolist()}
             elif op == "close":
                 if peer is not None:
