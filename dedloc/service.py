@@ -252,13 +252,12 @@ class PeerService(PeerAPI):
 
     async def reconfigure(self, changes: dict[str, Any]) -> None:
         """Change how rounds this peer leads are planned and run (``planner``, ``strategy``, ``compression``)."""
-        config = self.averager.config
         allowed = {"planner", "strategy", "compression"}
         if not set(changes) <= allowed:
             raise ConfigError(f"only {sorted(allowed)} can change at run time, not {sorted(set(changes) - allowed)}")
-        dataclasses.replace(config, **changes).validate()
-        for name, value in changes.items():
-            setattr(config, name, value)  # one object shared by the averager, matchmaker and planner
+        config = dataclasses.replace(self.averager.config, **changes).validate()
+        self.averager.reconfigure(config)
+        self.planner.config = config
 
     async def pending_round(self, step: int) -> int:
         return await self.averager.matchmaker.pending_numel(step)

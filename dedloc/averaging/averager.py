@@ -173,6 +173,11 @@ class Averager:
                               group.encryption, self._libp2p, outcome.streams)
         return lambda peer_id: rt.open(peer_id, self.proto)
 
+    def reconfigure(self, config: AveragingConfig) -> None:
+        """Run the rounds this peer leads from now on with ``config`` (validated; it changes only how
+        they are planned and run: ``strategy``, ``compression``, ``planner``)."""
+        self.config = self.matchmaker.config = config
+
     # ---- round registry -------------------------------------------------------------------------
     def _register(self, round_id: bytes, rnd: _Round, lifetime: float, group: Group) -> None:
         """Serve ``rnd``'s streams for ``lifetime`` seconds (its deadlines and a grace for late
