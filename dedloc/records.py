@@ -230,10 +230,10 @@ class CollaborationView:
         """Whether ``record``'s fingerprint counts as a vote on the collaboration's history (rule 10,
         the fingerprint majority, the lineage votes). A client's counts only while a trainer (not
         resyncing) publishes the same one, or no trainer is alive (the clients are then the
-        collaboration): a state that only clients hold can be downloaded from nobody. In a CI soak a
-        trainer took a step with a client and left at once; the client's copy made that step taken
-        for the other trainer, which could neither take it again nor download it, while the client
-        waited for a trainer to reach its step: neither moved again.
+        collaboration): a state that only clients hold can be downloaded from nobody. Counted, a
+        client's copy of a step whose trainer left at once would make that step taken for the other
+        trainers, which could neither take it again nor download it, while the client waits for a
+        trainer to reach its step: neither would move again.
 
         Nor does a fingerprint past the step the run attests (``global_step``, plus the one a round
         that just ended may be ahead): a member publishing step +1000 made every step before it

@@ -363,9 +363,9 @@ class Matchmaker:
         step for the peers it left out only if two or more contributing members provably joined it
         (their signed join proofs); a group of one contributor closes it only for a peer that, having
         gathered the ready peers (``ready``; None: not yet, so not yet), sees none it could take the
-        step with (``_partners``). One member storing a record of a group of one (itself) for each
-        step, and serving that step's update applied, made every honest peer miss the step and
-        download its parameters (issue 38)."""
+        step with (``_partners``). Otherwise one member storing a record of a group of one (itself)
+        for each step, and serving that step's update applied, would make every honest peer miss
+        the step and download its parameters."""
         run = self.node.config.run_id
         if self.me in record.members:  # (listed without this peer's proof: the leader's word, harmless here)
             mine = record.proof(run, step, self.me)
@@ -519,9 +519,9 @@ class Matchmaker:
         if overslept > 2 * self.config.matchmaking_time or loop.time() > self._stale_at.get(step, math.inf):
             # This process was suspended while it led (a stopped laptop): its joiners gave up at their
             # deadline, at most 2 matchmaking_time after this close, and went on. A group of them would
-            # be run by nobody, yet its closed record would close the step for a round's length (in the
-            # delayed soak a leader frozen for 33 s did so, and every member waited on it to skip the
-            # step). Any joiner still waiting is told to form another group.
+            # be run by nobody, yet its closed record would close the step for a round's length (and
+            # every member would wait on it to skip the step). Any joiner still waiting is told to form
+            # another group.
             self._failed.add(step)
             self._end_lead(step, state, MatchmakingError(
                 f"step {step}: this peer was suspended while leading ({overslept:.0f} s past its close); its "
@@ -530,8 +530,8 @@ class Matchmaker:
         if not looked and alone:
             # A follower whose leader's stream open hung until its own deadline (a leader killed
             # mid-matchmaking) leads past that deadline, so the loop above never looked: it must
-            # still see the others who gave up on the same leader (in the delayed soak, two such
-            # peers each took step 153 alone). Nobody waits on this answer.
+            # still see the others who gave up on the same leader (each of two such peers would take
+            # the step alone). Nobody waits on this answer.
             try:
                 ready = await asyncio.wait_for(self._ready(step, me), self.config.matchmaking_time)
             except Exception as e:
@@ -555,11 +555,10 @@ class Matchmaker:
         if lone and (never_joined or unjoined) and step not in self._declined:
             # Rule 14: ready peers that never joined, or trainers at the step by their progress records
             # (their ready records may not have reached this peer: a frozen DHT node), would not follow
-            # a group of one (rule 13): taking the step would fork it (in the sync soak a trainer took
-            # step 79 alone while three others, ready a moment late, took it again; in the 2-minute
-            # soak one took step 10 alone beside three that waited on a frozen leader). Once per step:
-            # the round fails here and this peer tries again with them; a peer that can never join (a
-            # NAT'd one whose joins fail) holds it back only once.
+            # a group of one (rule 13): taking the step would fork it (they take it again, ready a
+            # moment late or after waiting on a frozen leader). Once per step: the round fails here
+            # and this peer tries again with them; a peer that can never join (a NAT'd one whose
+            # joins fail) holds it back only once.
             self._declined.add(step)
             self._note(step, "declined", "not taking the step as its only contributor while other peers are ready "
                                          "for it or training at it; trying again with them")
@@ -591,8 +590,8 @@ class Matchmaker:
                 await self._yield_if_outranked(step, state)
             else:
                 # The round starts at once, the record on its way: a DHT store waits on every node it goes
-                # to, a frozen one too (in the sync soak the leader of step 177 began its round 8 s after
-                # its members, whose aggregators refused its contributions as late). A withdrawal (rule 5)
+                # to, a frozen one too, and a leader that waited for it would begin its round after its
+                # members, whose aggregators refuse its contributions as late. A withdrawal (rule 5)
                 # may overtake it: stored later, it expires later, and the DHT keeps the later expiry.
                 task = asyncio.create_task(stored, name=f"dedloc-closed-{step}")
                 self._stores.add(task)
@@ -608,13 +607,13 @@ class Matchmaker:
         cannot be read (MatchmakingError) or show the step taken (MissedRoundError, rule 10), else
         returns whether they show another training peer accumulating for ``step`` (not resyncing):
         its ready record did not reach this peer in time, so the lead is checked like one whose
-        ready peers never joined (in the delayed soak a peer woken from a freeze took step 95 alone
-        while 3 others took it together)."""
+        ready peers never joined (a peer woken from a freeze would otherwise take the step alone
+        while the others take it together)."""
         view = await self._view()
         if view is None or view.took(step, exclude=self.me):
-            # In the 2-minute soak a trainer whose loop had been stopped for 30 s woke as step 6's closed
-            # records expired; its first look at the progress records timed out (a slow DHT: dead and
-            # frozen nodes), and it took step 6 alone while the others were at step 12.
+            # A peer woken from a freeze as the step's closed records expired, whose look at the progress
+            # records times out (a slow DHT: dead and frozen nodes), would otherwise take an old step
+            # alone while the others are far ahead.
             self._end_lead(step, state, _missed_error(step, TOOK) if view is not None else MatchmakingError(
                 f"step {step}: no ready peer seen, and the progress records could not be read; not taking the "
                 f"step alone"))
@@ -624,8 +623,8 @@ class Matchmaker:
         """Rule 4 for a lead whose group could hand no state on (clients and aggregator-only peers):
         when the progress records show a trainer that can (not a client, not resyncing, not joined)
         at the step, it will form a group of its own; closing this one would take the step twice
-        with other parameters (in the delayed soak a client and the aggregator took step 314 while
-        the trainers, catching up, became ready 5 s later: the client forked). Then the joiners are
+        with other parameters (trainers catching up become ready a few seconds later, and the
+        client would fork). Then the joiners are
         told to pass this peer over (``missed, held: false``) and LeftToTrainersError is raised. The
         look is bounded like rule 8's (a quarter of ``matchmaking_time`` with joiners waiting); if
         the records cannot be read, the group closes as before (rule 4's lineage vote settles it)."""
@@ -902,9 +901,9 @@ class Matchmaker:
             self._unreachable.setdefault(step, set()).add(leader)
             if not regrouped:
                 # Rule 4: the peers that waited on it give up together, at their deadline (a leader frozen
-                # whole: its stream open hangs until then); they regroup in one fresh window, once. Before,
-                # the next one led with no time left and closed alone at once (in the delayed soak, step
-                # 309 was taken by a group of one, 8 samples, while 4 others missed it).
+                # whole: its stream open hangs until then); they regroup in one fresh window, once (the
+                # next one, leading with no time left, would close alone at once while the others miss
+                # the step).
                 regrouped = True
                 # undecided while it looks: a joiner that gave up on the same leader waits for what this
                 # peer does next (it leads, or follows another), instead of being redirected to the one

@@ -405,11 +405,10 @@ class RoundConnections(Transport):
 
     A member that took a stream but never answered its hello (PeerSilent: frozen, a sleeping laptop)
     is asked nothing more in this round: ``open`` raises PeerSilent for it at once, so the round's
-    next fallback (a part's aggregator instead of its frozen backup) starts without another wait. In
-    the delayed soak one frozen peer, a part's aggregator and another part's backup, cost members
-    that wait on their pull of its part and again on their failover to it (steps 751 and 802: the
-    rounds, at a 20 s timeout, ran past their deadline and were lost by all). A later round asks the
-    member again."""
+    next fallback (a part's aggregator instead of its frozen backup) starts without another wait:
+    a frozen peer that aggregates one part and backs up another would otherwise cost a wait on the
+    pull of its part and another on the failover to it, past the round's deadline. A later round
+    asks the member again."""
 
     def __init__(self, tcp: DirectTCP | None, round_id: bytes, key: bytes, endpoints: dict[str, str],
                  encryption: bool, fallback: Transport, counts: dict[str, int]):

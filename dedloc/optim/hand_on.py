@@ -3,8 +3,7 @@
 A group's update is held by its members alone. When every member that can serve the state (a
 trainer: clients accept no streams, aggregator-only peers hold none) leaves right after the round,
 nobody can hand that step on: the others take it again with other samples, and the group's clients
-fork and step back (in a CI soak a trainer restarted right after a round it took with a client and
-the aggregator). So before it leaves, a peer that no other serving peer has caught up with yet
+fork and step back. So before it leaves, a peer that no other serving peer has caught up with yet
 keeps serving its state and publishing its progress, until one holds its step: the others see the
 step taken (the closed record, a newer global step), miss their round of it, and download it.
 """

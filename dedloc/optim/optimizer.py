@@ -458,8 +458,8 @@ class CollaborativeOptimizer:
         if any((r.applied_step or 0) >= catchup.min_step for r in view.peers if r.role.serves):
             return "a peer holds its update: asking again can succeed"
         # a peer still accumulating for the lost step has had a round's length to take it; one that has
-        # not by then is frozen, or waits on this peer (its own catch-up): in the soak a peer held back
-        # while catching up kept this wait going for 2 minutes
+        # not by then is frozen, or waits on this peer (held back by its own catch-up): waiting longer
+        # would only stall both
         if waited < self._round_window() and self._may_still_take(view, lost):
             return "another training peer is still accumulating for it"
         if waited < 2 * avg.matchmaking_time + FRESH_GRACE:
@@ -480,20 +480,19 @@ class CollaborativeOptimizer:
     def _heard_from_others(self, view: CollaborationView, heard: dict[str, float]) -> bool:
         """Whether ``view`` brings news from another peer since ``heard`` (each peer's record's publish
         time when the catch-up started): a record published later, or a peer not seen then. Without
-        news, the view may be this peer's stale local copy rather than the collaboration's: in the
-        delayed soak a peer resumed from a 23 s freeze read nobody else for 15 s, concluded that
-        nobody held the step the others had all taken, and skipped it (a fork, healed later by the
-        lineage vote). Clock-skew free: only one peer's own publish times are compared."""
+        news, the view may be this peer's stale local copy rather than the collaboration's (a peer
+        resumed from a freeze that reads nobody else would conclude that nobody holds a step the
+        others all took, and skip it: a fork). Clock-skew free: only one peer's own publish times are
+        compared."""
         me = self.peer.peer_id
         return any(r.time > heard.get(r.peer_id, -math.inf) for r in view.peers if r.peer_id != me)
 
     def _round_may_finish(self, step: int, waited: float) -> bool:
         """A group closed ``step`` and its round may still finish: its deadline (plus a grace) is
         ahead. Its leader set that deadline: the smallest timeout its members asked for (matchmaking
-        rule 3), which can exceed this peer's own round length when this peer is not a member (before
-        rule 3, in the delayed soak, the aggregator-only peer led with its 60 s default while the
-        trainers skipped the step after their own 20 s, and the step was both skipped and taken). Bounded by
-        ``state_timeout`` from the catch-up's start; a DHT that cannot be read counts as "may"."""
+        rule 3), which can exceed this peer's own round length when this peer is not a member:
+        skipping the step at this peer's own length could skip a step that group then takes. Bounded
+        by ``state_timeout`` from the catch-up's start; a DHT that cannot be read counts as "may"."""
         if waited >= self.config.state_timeout:
             return False
         try:
@@ -531,7 +530,7 @@ class CollaborativeOptimizer:
         - a client-mode peer accepts no streams, so no one could download the steps it took alone;
         - a peer still catching up on the previous step holds no state to serve, and a round alone
           would only put it further ahead while the others chase it (each peer waiting for the
-          other: a stall in the soak).
+          other: a stall).
 
         It holds until another reachable peer reaches its step (see ``CollaborationView.global_step``)."""
         me = self.peer.peer_id
@@ -551,9 +550,8 @@ class CollaborativeOptimizer:
         step are still in the round of the step before, which this peer missed (delayed updates: it
         catches up on that step). They publish this step while that round runs (each accumulates for
         the next step meanwhile), but none can join a round of it before its own round ends: a round
-        started now would close without them. In the delayed soak a peer that missed step 436 took
-        step 437 alone while the seven others were still in a 13 s round of 436; they missed 437,
-        and the step was both taken and skipped (a fork).
+        started now would close without them, and they would miss it: the step would be both taken
+        (by this peer alone) and skipped (by them), a fork.
 
         Holds while a group that closed that step may still finish (its closed record's deadline,
         read once per catch-up), no peer that serves its state publishes that step's update applied,

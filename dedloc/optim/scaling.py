@@ -4,8 +4,8 @@ Each peer scales its own loss; the scale changes only at global steps: after a s
 peer's accumulated gradient overflowed (its samples were left out of the step, the others' made
 it), it backs off; after ``growth_interval`` steps without, it grows. A peer that joins takes its
 donor's scale. Scales may differ between peers; parameters do not (gradients are unscaled before
-averaging). An overflow elsewhere is no business of this peer's scale: a member flagging one
-every step made every peer skip every step (issue 38).
+averaging). An overflow elsewhere is no business of this peer's scale (nor of the step: one
+member claiming an overflow must not make every peer skip it).
 """
 
 from __future__ import annotations

@@ -181,9 +181,9 @@ class Planner:
     async def _refresh_within(self, budget: float) -> None:
         """Re-read the records, waiting at most ``budget`` seconds: the leader plans between closing
         its group and answering its joiners, who give up at their deadline. A read past the budget
-        goes on in the background, and this round plans with the snapshot it has (in the sync soak a
-        read that reached a frozen peer held a leader's answers past its joiners' deadline: they
-        failed the step, and the leader ran its round with members that had left it)."""
+        goes on in the background, and this round plans with the snapshot it has (a read that reaches
+        a frozen peer must not hold the leader's answers past its joiners' deadline: they would fail
+        the step while the leader runs its round with members that left it)."""
         self._refresh_soon()
         try:
             await asyncio.wait_for(asyncio.shield(self._refreshing), budget)
