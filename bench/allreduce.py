@@ -70,7 +70,7 @@ def _dedloc_configs(rank: int, peers: int, rid: str, scratch: str, invite_only: 
     if not invite_only:
         return PeerConfig(run_id=rid, log_level="WARNING")
     from dedloc.auth.invitation import RunOwner
-    from dedloc.net.identity import create_identity
+    from dedloc.auth.identity import create_identity
 
     run_dir = os.path.join(scratch, "run")
     owner = RunOwner.load(run_dir) if rank else RunOwner.init(run_dir, rid)

@@ -16,7 +16,7 @@ import time
 import msgpack
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from dedloc.net.identity import peer_id_of, public_key_of
+from dedloc.auth.identity import peer_id_of, public_key_of
 from dedloc.net.tcp import _signed
 from dedloc.records import ClosedRecord, CollaborationView, JoinProof, ProgressRecord, Role, join_signed, join_statement
 

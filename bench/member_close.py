@@ -35,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import chaos_trainer as model_code  # noqa: E402
 
-from dedloc.net.identity import create_identity  # noqa: E402
+from dedloc.auth.identity import create_identity  # noqa: E402
 from dedloc.auth.invitation import RunOwner  # noqa: E402
 from dedloc.config import AveragingConfig, BackboneConfig, OptimizerConfig, PeerConfig  # noqa: E402
 from dedloc.optim import CollaborativeOptimizer, StepOutcome  # noqa: E402

@@ -405,7 +405,7 @@ def join_signed(run_id: str, step: int, leader: str, member: str, incarnation: s
     """Whether ``signature`` is ``member``'s over its join of ``leader``'s group for ``step`` (its
     Ed25519 key is inside its peer id). Remembers the 4096 most recent answers: every read of a step's
     ``closed`` records checks the same few."""
-    from dedloc.net.identity import public_key_of  # (the identity module pulls in hivemind)
+    from dedloc.auth.identity import public_key_of  # (the identity module pulls in hivemind)
 
     try:
         public_key_of(member).verify(signature, join_statement(run_id, step, leader, member, incarnation, contributes))

@@ -22,7 +22,7 @@ from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import ConfigError, DedlocError
 from dedloc.logs import PerPeerWarnings
 from dedloc.monitor.peer_metrics import PeerMetrics
-from dedloc.net import rpc
+from dedloc.net import links
 from dedloc.net.node import Node
 from dedloc.net.peer_connections import PeerConnections
 from dedloc.net.runtime import SharedBuffer
@@ -103,8 +103,8 @@ class PeerService(PeerAPI):
     async def connections(self) -> dict[str, dict[str, Any]]:
         """This peer's open connections: peer id -> {"direct": any connection not through a relay,
         "addrs": the remote address of each}."""
-        return {peer: {"direct": not all(map(rpc.relayed, addrs)), "addrs": addrs}
-                for peer, addrs in (await rpc.connections(self.node.p2p)).items()}
+        return {peer: {"direct": not all(map(links.relayed, addrs)), "addrs": addrs}
+                for peer, addrs in (await links.connections(self.node.p2p)).items()}
 
     async def stream_counts(self) -> dict[str, int]:
         """Streams this peer opened outside rounds (states, probes), by path: ``direct``, ``libp2p``."""

@@ -13,7 +13,7 @@ import torch
 
 from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
 from dedloc.errors import ForkError, LeftToTrainersError, MatchmakingError, MissedRoundError, StateError
-from dedloc.net.identity import create_identity, load_identity, peer_id_of
+from dedloc.auth.identity import create_identity, load_identity, peer_id_of
 from dedloc.optim import CollaborativeOptimizer
 from dedloc.optim.optimizer import StepOutcome
 from dedloc.peer import Peer
@@ -295,7 +295,7 @@ def test_a_stalled_donor_is_given_up_after_stall_wait_but_a_slow_steady_one_is_n
     STALL_WAIT bounds silence, not speed: a donor that keeps sending, however slowly (a byte a
     second, 23 s in all, past the 20 s bound), completes its download. The two downloads run at once."""
 
-    from dedloc.net import rpc
+    from dedloc.net import messages
 
     rid = run_id()
     good = Peer(PeerConfig(run_id=rid), AVG)
@@ -304,8 +304,8 @@ def test_a_stalled_donor_is_given_up_after_stall_wait_but_a_slow_steady_one_is_n
 
     async def stall(node, finished):
         async def serve(info, reader, writer):
-            await rpc.read_message(reader)
-            await rpc.write_message(writer, {"step": 3, "size": 1 << 20})
+            await messages.read_message(reader)
+            await messages.write_message(writer, {"step": 3, "size": 1 << 20})
             writer.write(b"x" * 100)  # a start, then nothing more
             await writer.drain()
             await asyncio.to_thread(finished.wait, 120)
@@ -315,13 +315,13 @@ def test_a_stalled_donor_is_given_up_after_stall_wait_but_a_slow_steady_one_is_n
 
     async def trickle(node, finished):
         async def serve(info, reader, writer):
-            await rpc.read_message(reader)
-            await rpc.write_message(writer, {"step": 4, "size": len(blob)})
+            await messages.read_message(reader)
+            await messages.write_message(writer, {"step": 4, "size": len(blob)})
             for b in blob:
                 writer.write(bytes([b]))
                 await writer.drain()
                 await asyncio.sleep(1.0)  # a slow link: a byte a second (pacing, not synchronisation)
-            await rpc.wait_peer_closed(reader, 30)
+            await messages.wait_peer_closed(reader, 30)
             writer.close()
 
         await node.streams.serve(f"dedloc.{rid}.state", serve)
@@ -907,7 +907,7 @@ def test_a_donor_announcing_a_huge_state_is_refused_before_its_bytes():
     (it allocated what the donor claimed, up to 64 GiB). Now a state larger than the newcomer's own
     model allows is refused at the header, naming the size, and the next donor serves it."""
 
-    from dedloc.net import rpc
+    from dedloc.net import messages
 
     rid = run_id()
     good = Peer(PeerConfig(run_id=rid), AVG)
@@ -916,8 +916,8 @@ def test_a_donor_announcing_a_huge_state_is_refused_before_its_bytes():
 
     async def huge(node, finished):
         async def serve(info, reader, writer):
-            await rpc.read_message(reader)
-            await rpc.write_message(writer, {"step": 3, "size": 32 << 30})
+            await messages.read_message(reader)
+            await messages.write_message(writer, {"step": 3, "size": 32 << 30})
             try:
                 while not finished.is_set():
                     writer.write(b"x" * (1 << 20))

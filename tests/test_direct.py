@@ -14,8 +14,8 @@ from dedloc.config import AveragingConfig
 from dedloc.errors import ProtocolError
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from dedloc.net.identity import create_identity, peer_id_of
-from dedloc.net.rpc import read_message, write_message
+from dedloc.auth.identity import create_identity, peer_id_of
+from dedloc.net.messages import read_message, write_message
 from dedloc.net.tcp import VERSION, DirectTCP, Endpoint, _HELLO, _mac, _signed
 
 _KEYS = [ed25519.Ed25519PrivateKey.generate() for _ in range(3)]

@@ -16,7 +16,7 @@ from dedloc.averaging.outcome import RoundOutcome
 from dedloc.averaging.wire import VERSION, Kind, read_header, read_payload_into, write_frame
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import AveragingError, MatchmakingError, ProtocolError, RuntimeClosedError
-from dedloc.net.identity import create_identity
+from dedloc.auth.identity import create_identity
 from dedloc.net.node import Node
 from dedloc.net.tcp import RoundConnections
 from dedloc.net.transport import PeerSilent

@@ -27,8 +27,8 @@ from dedloc.averaging.matchmaking import Matchmaker, _parse_entry
 from dedloc.averaging.wire import HEADER, MAGIC, VERSION, unpack_header
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import ProtocolError, Unauthorized
-from dedloc.net import rpc
-from dedloc.net.identity import create_identity, load_identity
+from dedloc.net import messages
+from dedloc.auth.identity import create_identity, load_identity
 from dedloc.net.node import Node
 from dedloc.records import CapabilityRecord, ProgressRecord
 
@@ -81,7 +81,7 @@ def test_control_messages_and_records_are_parsed_or_skipped(obj):
 def test_a_claimed_message_length_never_sizes_an_allocation(body, claimed):
     async def main():
         try:
-            await rpc.read_message(_reader(claimed.to_bytes(4, "big") + body), limit=4096)
+            await messages.read_message(_reader(claimed.to_bytes(4, "big") + body), limit=4096)
         except (ProtocolError, asyncio.IncompleteReadError):
             pass
 
@@ -213,8 +213,8 @@ def test_state_headers_from_a_hostile_donor_are_refused_by_name():
         for head in heads:
             async def serve(node, finished, head=head):
                 async def answer(info, reader, writer):
-                    await rpc.read_message(reader)
-                    await rpc.write_message(writer, head)
+                    await messages.read_message(reader)
+                    await messages.write_message(writer, head)
                     return True
 
                 await node.streams.serve(f"dedloc.{rid}.state", answer)

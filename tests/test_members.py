@@ -208,7 +208,7 @@ def test_a_leader_answering_missed_without_a_group_that_closed_the_step_is_passe
     (matchmaking rule 13): here one joiner gets a bare ``missed``, the other a ``closed`` record of
     the liar's group listing the joiner's own signed join (it never got that group); both find no
     group that closed the step for them, pass the liar over and take the step together."""
-    from dedloc.net.identity import create_identity
+    from dedloc.auth.identity import create_identity
     from dedloc.records import Member, ReadyRecord
 
     keys = sorted((create_identity(tmp_path / f"p{i}.key"), tmp_path / f"p{i}.key") for i in range(3))
@@ -323,7 +323,7 @@ def test_a_record_planted_for_ten_years_is_refused_and_a_revoked_members_records
             assert await m.store(key, me, {"step": 5}, MAX_LIFE / 2)
             assert (await a.get(key))[me][0] == {"step": 5}
             owner.revoke(me)
-            await a.membership.refresh()
+            await a.revocations.refresh()
             return me, await a.get(key)
         finally:
             await m.shutdown()
@@ -341,7 +341,7 @@ def test_a_donor_announcing_60_gib_costs_only_what_it_sends(tmp_path):
     from conftest import bare_node
     from dedloc.config import AveragingConfig, PeerConfig
     from dedloc.errors import StateError
-    from dedloc.net import rpc
+    from dedloc.net import messages
 
     rid = run_id()
     good = Peer(PeerConfig(run_id=rid), AveragingConfig(probe_interval=0))
@@ -349,8 +349,8 @@ def test_a_donor_announcing_60_gib_costs_only_what_it_sends(tmp_path):
 
     async def serve(node, finished):
         async def answer(info, reader, writer):
-            await rpc.read_message(reader)
-            await rpc.write_message(writer, {"step": 3, "size": 60 << 30, "lineage": []})
+            await messages.read_message(reader)
+            await messages.write_message(writer, {"step": 3, "size": 60 << 30, "lineage": []})
             writer.write(b"\0" * (1 << 20))  # a little of it, then it hangs up
             await writer.drain()
             return True

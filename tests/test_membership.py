@@ -23,8 +23,8 @@ from dedloc.auth.invitation import Invitation, RunOwner, owner_public_key
 from dedloc.averaging.wire import VERSION
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import ConfigError, Unauthorized
-from dedloc.net.identity import create_identity, load_identity
-from dedloc.net import rpc
+from dedloc.auth.identity import create_identity, load_identity
+from dedloc.net import links
 from dedloc.net.node import Node
 from dedloc.net.relay_guard import RelayGuard
 from dedloc.net.serve import Streams
@@ -201,8 +201,8 @@ def test_expired_and_revoked_invitations_are_refused_and_revocations_spread(tmp_
                 await short.streams.call(d.peer_id, echo, "hello", 10)
 
             owner.revoke(c.peer_id.to_base58())
-            await a.membership.refresh()  # re-reads the owner's file, publishes the list
-            await d.membership.refresh()  # finds it in the DHT
+            await a.revocations.refresh()  # re-reads the owner's file, publishes the list
+            await d.revocations.refresh()  # finds it in the DHT
             for node in (a, d):
                 with pytest.raises(Unauthorized, match=f"the invitation of {c.peer_id} was revoked"):
                     await c.streams.call(node.peer_id, echo, "hello", 10)
@@ -369,13 +369,13 @@ def test_a_relay_drops_peers_that_show_no_invitation(tmp_path, caplog):
                         await asyncio.sleep(0.2)
                     sweeps.append(dropped)
 
-            assert intruder_id in await rpc.connections(relay.p2p)
+            assert intruder_id in await links.connections(relay.p2p)
             await sweep_until_dropped()
             first = len(sweeps)
-            connected = await rpc.connections(relay.p2p)
+            connected = await links.connections(relay.p2p)
             peer = Multiaddr(maddrs[0])["p2p"]
             await stranger.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(a.split("/p2p/")[0]) for a in maddrs])
-            assert intruder_id in await rpc.connections(relay.p2p)
+            assert intruder_id in await links.connections(relay.p2p)
             await sweep_until_dropped()
             return sweeps[first:], connected, m.peer_id.to_base58(), intruder_id
         finally:

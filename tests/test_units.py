@@ -585,7 +585,7 @@ def test_a_closed_record_counts_only_the_members_whose_signed_join_it_holds():
     signature over (run, step, leader, its process), made by the key inside its peer id."""
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
-    from dedloc.net.identity import peer_id_of
+    from dedloc.auth.identity import peer_id_of
     from dedloc.records import ClosedRecord, JoinProof, join_statement
 
     keys = [ed25519.Ed25519PrivateKey.generate() for _ in range(3)]

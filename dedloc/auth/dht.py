@@ -8,7 +8,7 @@ any check is dropped: the requester sees an error, and a node that answers unsig
 unresponsive (hivemind drops it from its routing table). Refusals are logged with the peer id.
 
 Each member may send ``DHT_RATE`` requests per second to this peer, in bursts of ``DHT_BURST``
-(net/limits.py); counted after the signature check, so nobody can spend another peer's budget.
+(auth/limits.py); counted after the signature check, so nobody can spend another peer's budget.
 Above it, requests are dropped like refused ones, with a WARNING naming the peer.
 
 A request is accepted within ``MAX_SKEW`` seconds of its timestamp, only by the peer it is
@@ -37,8 +37,8 @@ from dedloc.auth.authorizer import Authorizer
 from dedloc.auth.records import sender
 from dedloc.errors import Unauthorized
 from dedloc.logs import PerPeerWarnings
-from dedloc.net.limits import PeerLimits
-from dedloc.net.identity import public_key_of
+from dedloc.auth.limits import PeerLimits
+from dedloc.auth.identity import public_key_of
 
 logger = logging.getLogger(__name__)
 MAX_SKEW = 120.0

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from dedloc.errors import ConfigError, Unauthorized
 from dedloc.files import write_atomically
-from dedloc.net.identity import raw_public, write_private
+from dedloc.auth.identity import raw_public, write_private
 
 MAX_TOKEN = 1024
 MAX_REVOCATIONS = 1 << 16

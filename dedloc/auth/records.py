@@ -5,7 +5,7 @@ ready, closed, left, revocations). This validator, installed in the DHT node (hi
 validator seam), signs what this peer stores and checks every record that arrives, whether another
 peer asks to store it or returns it to a search:
 
-- the subkey must be an Ed25519 peer id (its public key is inside it, see net/identity.py);
+- the subkey must be an Ed25519 peer id (its public key is inside it, see auth/identity.py);
 - the value carries that peer's signature over (key, subkey, value, expiration time), so nobody
   can write, overwrite, or extend the life of another peer's record;
 - in an invite-only run the value also carries the writer's invitation, which the authorizer
@@ -33,7 +33,7 @@ from dedloc.auth.authorizer import Authorizer
 from dedloc.errors import Unauthorized
 from dedloc.framing import framed
 from dedloc.logs import PerPeerWarnings
-from dedloc.net.identity import public_key_of
+from dedloc.auth.identity import public_key_of
 
 logger = logging.getLogger(__name__)
 _DOMAIN = b"dedloc record v1\x00"

@@ -37,7 +37,7 @@ from dedloc.config import AveragingConfig
 from dedloc.errors import AveragingError, ProtocolError
 from dedloc.net.node import Node
 from dedloc.net.reachability import observed_ip
-from dedloc.net.rpc import wait_peer_closed
+from dedloc.net.messages import wait_peer_closed
 from dedloc.net.tcp import DirectTCP, RoundConnections
 from dedloc.net.transport import Handler, StreamPair, Transport
 from dedloc.numerics import all_finite

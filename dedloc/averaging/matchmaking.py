@@ -80,7 +80,7 @@ from dedloc.averaging.wire import VERSION
 from dedloc.config import AveragingConfig
 from dedloc.errors import LeftToTrainersError, MatchmakingError, MissedRoundError, ProtocolError
 from dedloc.logs import OncePerStep, PerPeerWarnings
-from dedloc.net import rpc
+from dedloc.net import messages
 from dedloc.net.node import Node
 from dedloc.net.tcp import KEY_BYTES
 from dedloc.records import ClosedRecord, CollaborationView, JoinProof, ReadyRecord, Role, join_statement
@@ -811,8 +811,8 @@ class Matchmaker:
                        f"leader {leader} unreachable ({type(e).__name__}: {str(e)[:200]}); trying the next")
             return None
         try:  # ``by``: how long this peer still waits for the answer (rule 3)
-            await rpc.write_message(writer, {**request, "by": round(max(0.0, deadline - loop.time()), 3)})
-            response = await asyncio.wait_for(rpc.read_message(reader), max(0.1, deadline - loop.time()))
+            await messages.write_message(writer, {**request, "by": round(max(0.0, deadline - loop.time()), 3)})
+            response = await asyncio.wait_for(messages.read_message(reader), max(0.1, deadline - loop.time()))
         except (ConnectionError, asyncio.IncompleteReadError):
             raise
         except Exception as e:

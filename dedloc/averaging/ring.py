@@ -20,7 +20,7 @@ import torch
 from dedloc.averaging.round_core import OpenStream, RoundStats
 from dedloc.averaging.group import Group
 from dedloc.averaging.wire import Header, Kind, read_header, read_payload_into, write_frame
-from dedloc.net.rpc import wait_peer_closed
+from dedloc.net.messages import wait_peer_closed
 from dedloc.errors import AveragingError, ProtocolError
 
 logger = logging.getLogger(__name__)

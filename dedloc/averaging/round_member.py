@@ -18,7 +18,7 @@ from dedloc.averaging.round_core import RoundCore
 from dedloc.averaging.round_verifier import Unverified, VerifierRole
 from dedloc.averaging.wire import Kind, ProtocolError, write_error, write_frame
 from dedloc.errors import AveragingError
-from dedloc.net.rpc import wait_peer_closed
+from dedloc.net.messages import wait_peer_closed
 
 if TYPE_CHECKING:
     from dedloc.averaging.round_failover import FailoverRole

@@ -38,10 +38,10 @@ from dedloc.auth.dht import DHTAccess
 from dedloc.auth.records import SignedRecords
 from dedloc.config import PeerConfig
 from dedloc.errors import BootstrapError, JoinError
-from dedloc.net.identity import create_identity, load_identity, peer_id_of
-from dedloc.net.membership import Membership
+from dedloc.auth.identity import create_identity, load_identity, peer_id_of
+from dedloc.auth.revocation_sync import RevocationSync
 from dedloc.net.relay_guard import RelayGuard, keep_known
-from dedloc.net import rpc
+from dedloc.net import links
 from dedloc.net.serve import Streams
 from dedloc.net.reachability import DialbackServer, Reachability, probe
 
@@ -156,7 +156,7 @@ class Node:
         self.streams = streams
         """Opening and serving this peer's stream protocols (membership checked on every stream)."""
         self.authorizer = streams.authorizer
-        self.membership: Membership | None = None
+        self.revocations: RevocationSync | None = None
         self.relay_guard: RelayGuard | None = None
         self.sign: Callable[[bytes], bytes] = _unsigned
         """Signs with this peer's identity key (direct-connection hellos, net/tcp.py); set by ``create``."""
@@ -261,9 +261,9 @@ class Node:
         node.sign = key.sign
         node._tasks.append(asyncio.create_task(node.keep_in_touch(), name="dedloc-keep-in-touch"))
         if authorizer.invite_only:
-            node.membership = Membership(authorizer, node.key("revoked"), peer_id, config.revocations, node.store, node.get)
-            await node.membership.refresh()
-            node._tasks.append(asyncio.create_task(node.membership.run(), name="dedloc-membership"))
+            node.revocations = RevocationSync(authorizer, node.key("revoked"), peer_id, config.revocations, node.store, node.get)
+            await node.revocations.refresh()
+            node._tasks.append(asyncio.create_task(node.revocations.run(), name="dedloc-revocations"))
             if config.relay_service:  # the daemon's relay admits anyone: drop who shows no invitation
                 node.relay_guard = RelayGuard(p2p, authorizer, peer_id)
                 node._tasks.append(asyncio.create_task(node.relay_guard.run(), name="dedloc-relay-guard"))
@@ -332,8 +332,8 @@ class Node:
     async def _touch(self) -> list[str]:
         now = time.monotonic()
         self._members = {p: t for p, t in self._members.items() if now - t < REMEMBER_S}
-        for peer, addrs in (await rpc.connections(self.p2p)).items():
-            direct = [a for a in addrs if not rpc.relayed(a)]
+        for peer, addrs in (await links.connections(self.p2p)).items():
+            direct = [a for a in addrs if not links.relayed(a)]
             if peer in self._members and direct:
                 self._addrs[peer] = direct[:4]
         self._addrs = {p: a for p, a in self._addrs.items() if p in self._members}

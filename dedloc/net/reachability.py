@@ -24,7 +24,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from dedloc.errors import ProtocolError
-from dedloc.net import rpc
+from dedloc.net import links
 from dedloc.net.serve import Streams
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def tcp_ports(maddrs: list[Multiaddr]) -> list[int]:
     """The TCP ports of the direct (not relayed) addresses among ``maddrs``, each once."""
     ports: list[int] = []
     for addr in maddrs:
-        if rpc.relayed(addr):
+        if links.relayed(addr):
             continue
         try:
             port = int(addr["tcp"])
@@ -62,7 +62,7 @@ def tcp_ports(maddrs: list[Multiaddr]) -> list[int]:
 
 def observed_ip(addr: Multiaddr) -> str | None:
     """The IP address a direct connection comes from (None for a relayed one or a non-IP address)."""
-    if rpc.relayed(addr):
+    if links.relayed(addr):
         return None
     for proto in ("ip4", "ip6"):
         try:

@@ -28,7 +28,7 @@ import time
 from hivemind.p2p import P2P, PeerID
 
 from dedloc.auth.authorizer import Authorizer
-from dedloc.net import rpc
+from dedloc.net import links
 
 logger = logging.getLogger(__name__)
 GRACE = 30.0
@@ -50,7 +50,7 @@ class RelayGuard:
     async def sweep(self) -> list[str]:
         """Look at the daemon's connections once; disconnect the peers due. Returns them."""
         now = time.monotonic()
-        connected = await rpc.connections(self.p2p)
+        connected = await links.connections(self.p2p)
         self._first_seen = {p: t for p, t in self._first_seen.items() if p in connected}
         self._struck = {p: t for p, t in self._struck.items() if now - t < STRIKE_TTL}
         due = []

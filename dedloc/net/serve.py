@@ -35,9 +35,10 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from dedloc.auth.authorizer import Authorizer, OpenRun
 from dedloc.errors import ProtocolError, Unauthorized
 from dedloc.logs import PerPeerWarnings
-from dedloc.net.limits import PeerLimits
+from dedloc.auth.limits import PeerLimits
 from dedloc.net.transport import PeerSilent, Refused, Transport, serve_stream
-from dedloc.net.rpc import connections, read_message, relayed, reply_last, write_message
+from dedloc.net.messages import read_message, reply_last, write_message
+from dedloc.net.links import connections, relayed
 
 logger = logging.getLogger(__name__)
 STREAM_VERSION = 1

@@ -68,9 +68,9 @@ from dedloc.errors import ProtocolError
 from dedloc.framing import framed
 from dedloc.logs import PerPeerWarnings
 from dedloc.net.direct_stream import DirectProtocol
-from dedloc.net.identity import public_key_of
-from dedloc.net.limits import PeerLimits
-from dedloc.net.rpc import read_message, wait_peer_closed, write_message
+from dedloc.auth.identity import public_key_of
+from dedloc.auth.limits import PeerLimits
+from dedloc.net.messages import read_message, wait_peer_closed, write_message
 from dedloc.net.transport import Handler, PeerSilent, Refused, StreamPair, Transport, serve_stream
 
 logger = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from typing import Any, Awaitable, Callable
 
 from dedloc.errors import ProtocolError
 from dedloc.logs import PerPeerWarnings
-from dedloc.net.rpc import wait_peer_closed
+from dedloc.net.messages import wait_peer_closed
 
 logger = logging.getLogger(__name__)
 _warnings = PerPeerWarnings(logger)

@@ -25,7 +25,7 @@ from dedloc.averaging.round_core import RoundStats
 from dedloc.averaging.group import Member
 from dedloc.config import AveragingConfig
 from dedloc.errors import ConfigError
-from dedloc.net import rpc
+from dedloc.net import links
 from dedloc.net.bulk import busy_seconds
 from dedloc.net.node import Node
 from dedloc.net.transport import Transport
@@ -137,8 +137,8 @@ class Planner:
 
     async def _direct_peers(self) -> tuple[str, ...]:
         """Peers with a direct (not relayed) connection to this one: punched paths for a NAT'd peer."""
-        conns = await rpc.connections(self.node.p2p)
-        return tuple(sorted(p for p, addrs in conns.items() if not all(map(rpc.relayed, addrs)))[:MAX_DIRECT])
+        conns = await links.connections(self.node.p2p)
+        return tuple(sorted(p for p, addrs in conns.items() if not all(map(links.relayed, addrs)))[:MAX_DIRECT])
 
     async def _publish_loop(self) -> None:
         while True:

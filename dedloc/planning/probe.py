@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from dedloc.averaging.wire import VERSION
 from dedloc.errors import ProtocolError
-from dedloc.net import bulk, rpc
+from dedloc.net import bulk, messages
 from dedloc.net.node import Node
 from dedloc.net.transport import Transport
 
@@ -102,21 +102,21 @@ class ProbeServer:
             await self.transport.serve(self.proto, self._on_stream)
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        req = await asyncio.wait_for(rpc.read_message(reader), 10)
+        req = await asyncio.wait_for(messages.read_message(reader), 10)
         if not isinstance(req, dict) or req.get("v") != VERSION or req.get("dir") not in ("push", "pull") \
                 or not isinstance(req.get("n"), int) or not 0 < req["n"] <= MAX_PROBE_BYTES:
             raise ProtocolError(f"malformed probe request (protocol {VERSION}, at most {MAX_PROBE_BYTES} bytes)")
         if self._served.locked():
-            await rpc.write_message(writer, {"busy": True})
+            await messages.write_message(writer, {"busy": True})
             return True
         async with self._served:
-            await rpc.write_message(writer, {"ok": True})
+            await messages.write_message(writer, {"ok": True})
             async with asyncio.timeout(120):
                 if req["dir"] == "push":
-                    await rpc.write_message(writer, {"s": await _receive(reader, writer, req["n"])})
+                    await messages.write_message(writer, {"s": await _receive(reader, writer, req["n"])})
                 else:
                     await _send(reader, writer, req["n"])
-                await rpc.wait_peer_closed(reader, 60)  # we wrote last: the prober closes first
+                await messages.wait_peer_closed(reader, 60)  # we wrote last: the prober closes first
         return False
 
 
@@ -125,13 +125,13 @@ async def _one(transport: Transport, proto: str, peer: str, direction: str, n: i
     """One probe stream; the seconds the receiving end timed."""
     reader, writer = await transport.open(peer, proto)
     try:
-        await rpc.write_message(writer, {"v": VERSION, "dir": direction, "n": n})
-        head = await rpc.read_message(reader)
+        await messages.write_message(writer, {"v": VERSION, "dir": direction, "n": n})
+        head = await messages.read_message(reader)
         if not isinstance(head, dict) or not head.get("ok"):
             raise ProtocolError("busy" if isinstance(head, dict) and head.get("busy") else f"refused: {head!r}")
         if direction == "push":
             result.queue_s = max(result.queue_s, await _send(reader, writer, n))
-            answer = await rpc.read_message(reader)
+            answer = await messages.read_message(reader)
             seconds = answer.get("s") if isinstance(answer, dict) else None
             if not isinstance(seconds, float) or not 0 < seconds < 3600:
                 raise ProtocolError(f"malformed probe answer {answer!r}")

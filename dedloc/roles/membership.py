@@ -8,7 +8,7 @@ import re
 
 from dedloc.auth.invitation import RunOwner
 from dedloc.errors import ConfigError
-from dedloc.net.identity import create_identity, load_identity, peer_id_of, public_key_of
+from dedloc.auth.identity import create_identity, load_identity, peer_id_of, public_key_of
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 

@@ -2,7 +2,7 @@
 
 Protocol ``dedloc.{run}.state``, over a direct connection where the donor grants one, else a
 libp2p stream (net/peer_connections.py): the requester sends ``{"v", "min_step"}`` (msgpack, as in
-net/rpc.py); the donor answers ``{"step", "size"}`` then ``size`` raw bytes paced by the
+net/messages.py); the donor answers ``{"step", "size"}`` then ``size`` raw bytes paced by the
 requester's credits (net/bulk.py, as every bulk payload), or ``{"busy"}`` / ``{"error"}``. The
 header also carries the state's ``lineage`` (state/lineage.py), so a requester refuses a fork before
 reading its bytes. Guarantees:
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from dedloc.averaging.wire import VERSION
 from dedloc.errors import ForkError, ProtocolError, StateError
-from dedloc.net import bulk, rpc
+from dedloc.net import bulk, messages
 from dedloc.net.node import Node
 from dedloc.net.transport import Transport
 from dedloc.state import lineage
@@ -164,20 +164,20 @@ class StateServer:
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Serve one state request (net/serve.py has admitted the peer); True once it wrote last."""
-        request = await asyncio.wait_for(rpc.read_message(reader), 10)
+        request = await asyncio.wait_for(messages.read_message(reader), 10)
         if not isinstance(request, dict) or request.get("v") != VERSION or not isinstance(request.get("min_step"), int):
             raise ProtocolError(f"malformed state request (protocol {VERSION} expected)")
         state = await self._fresh(request["min_step"])  # waits without holding an upload slot
         if state is None:
-            await rpc.write_message(writer, {"error": f"no state at step >= {request['min_step']}", "behind": True})
+            await messages.write_message(writer, {"error": f"no state at step >= {request['min_step']}", "behind": True})
             return True
         if self._uploads.locked():
-            await rpc.write_message(writer, {"busy": True})
+            await messages.write_message(writer, {"busy": True})
             return True
         async with self._uploads:
-            await rpc.write_message(writer, {"step": state.step, "size": len(state.blob), "lineage": list(state.history)})
+            await messages.write_message(writer, {"step": state.step, "size": len(state.blob), "lineage": list(state.history)})
             await bulk.send_paced(writer, reader, memoryview(state.blob), CHUNK)  # paced by the newcomer's credits
-            await rpc.wait_peer_closed(reader, UPLOAD_GRACE)  # the newcomer closes once it has it all
+            await messages.wait_peer_closed(reader, UPLOAD_GRACE)  # the newcomer closes once it has it all
             logger.info(f"sent the state of step {state.step} ({len(state.blob) / 1e6:.1f} MB) to {info.peer_id}")
         return False
 
@@ -222,9 +222,9 @@ class StateServer:
             self.transport.open(donor, self.proto),
             max(0.1, header_by - time.monotonic()))
         try:
-            await rpc.write_message(writer, {"v": VERSION, "min_step": min_step})
+            await messages.write_message(writer, {"v": VERSION, "min_step": min_step})
             try:
-                head = await asyncio.wait_for(rpc.read_message(reader), max(0.1, header_by - time.monotonic()))
+                head = await asyncio.wait_for(messages.read_message(reader), max(0.1, header_by - time.monotonic()))
             except asyncio.TimeoutError:
                 raise StateError(f"no answer within {HEADER_WAIT:.0f} s") from None
             if not isinstance(head, dict):

@@ -22,7 +22,7 @@ import shutil
 from dataclasses import dataclass
 
 from dedloc.config import PUBLIC_HOST_MADDRS
-from dedloc.net.rpc import relayed
+from dedloc.net.links import relayed
 from dedloc.testing import netem
 from dedloc.testing.netem import _run
 

@@ -12,7 +12,6 @@ import logging
 from typing import Any
 
 import msgpack
-from hivemind.p2p import P2P
 
 from dedloc.errors import ProtocolError
 
@@ -60,18 +59,3 @@ async def reply_last(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     """Write a final message, then wait (bounded) for the peer to close (see ``wait_peer_closed``)."""
     await write_message(writer, obj)
     await wait_peer_closed(reader, timeout)
-
-
-def relayed(addr: Any) -> bool:
-    """The multiaddr goes through a relay (a circuit address)."""
-    return "/p2p-circuit" in str(addr)
-
-
-async def connections(p2p: P2P) -> dict[str, list[str]]:
-    """The daemon's open connections: peer id -> the remote address of each connection to it."""
-    out: dict[str, list[str]] = {}
-    for info in await p2p.list_peers():
-        out.setdefault(info.peer_id.to_base58(), []).extend(map(str, info.addrs))
-    return out
-
-

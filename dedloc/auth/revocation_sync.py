@@ -21,7 +21,7 @@ INTERVAL = 30.0
 TTL = 600.0
 
 
-class Membership:
+class RevocationSync:
     """One peer's keeper of the revocation list (see module docstring); ``refresh`` never raises."""
 
     def __init__(self, authorizer: Authorizer, key: str, me: str, path: str,
