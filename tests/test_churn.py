@@ -19,7 +19,7 @@ from dedloc.optim.optimizer import StepOutcome
 from dedloc.peer import Peer
 from dedloc.records import ProgressRecord, Role
 
-from conftest import bare_node, run_id
+from conftest import bare_node, run_id, wait_for
 from test_optimizer import Trainer, join_all, make_model, make_opt
 
 AVG = AveragingConfig(matchmaking_time=2, averaging_timeout=20, probe_interval=0)
@@ -1216,6 +1216,83 @@ def test_the_peers_that_pass_a_frozen_leader_over_regroup_in_a_fresh_window(tmp_
     finally:
         for p in peers:
             p.close()
+
+
+def test_a_leader_restarted_under_its_id_while_its_ready_record_lives_is_passed_over(tmp_path):
+    """The sync soak's 77 s stall at step 507: the peer with the smallest id stored its ready record,
+    was killed and came back under the same identity. Its new process had not matched yet, so it
+    refused every join ("step 507 is not near this peer's step -1") while its old ready record made it the one
+    to lead: each joiner failed the step, again and again. Now it refuses with ``pass``, and the
+    others pass it over (rule 4) and take the step together."""
+    avg = AveragingConfig(matchmaking_time=2, averaging_timeout=20, probe_interval=0)
+    keys = ordered_identities(tmp_path, 3)
+    rid = run_id()
+    first = Peer(PeerConfig(run_id=rid, identity_path=str(keys[0])), avg)
+    rest = [Peer(PeerConfig(run_id=rid, initial_peers=tuple(first.maddrs), identity_path=str(k)), avg)
+            for k in keys[1:]]
+    restarted = None
+    try:
+        with cf.ThreadPoolExecutor(3) as pool:
+            old = pool.submit(first.average, torch.ones(64), step=5, weight=8.0, expected_peers=3, gather_time=60)
+            wait_for("the first peer's ready record", lambda: rest[0].pending_round(5) and rest[1].pending_round(5), 20)
+            first.runtime.kill()  # its ready record for step 5 lives on in the DHT
+            with contextlib.suppress(Exception):
+                old.result(30)
+            restarted = Peer(PeerConfig(run_id=rid, initial_peers=tuple(rest[0].maddrs), identity_path=str(keys[0])),
+                             avg)
+            assert restarted.peer_id == first.peer_id
+            runs = [pool.submit(p.average, torch.full((64,), 2.0), step=5, weight=8.0, expected_peers=3,
+                                gather_time=4) for p in rest]
+            outcomes = [sorted(r.result(60).peers) for r in runs]  # before: MatchmakingError "refused: ... -1"
+        assert outcomes == [sorted(p.peer_id for p in rest)] * 2, outcomes
+    finally:
+        for p in [first, *rest, *([restarted] if restarted else [])]:
+            p.close()
+
+
+def test_a_follower_whose_matchmaking_ended_without_a_group_sends_no_joiner_on_to_its_leader(tmp_path):
+    """The aggregator in the sync soak's stall at step 507: its leader refused its join, so its
+    matchmaking for the step ended; yet for the rest of the step it sent every peer that asked it
+    on to that leader, which they had passed over ("still follows ... which this peer passed
+    over"): each waited until its deadline and failed the step. Now it answers that it has no
+    group (``failed``, rule 5), and they pass it over."""
+    from dedloc.averaging.bounds import WeightBounds
+    from dedloc.averaging.matchmaking import Matchmaker
+    from dedloc.averaging.wire import VERSION
+    from dedloc.net.node import Node
+    from dedloc.records import JoinProof, Member, ReadyRecord, join_statement
+
+    lead_key, follow_key, ask_key = ordered_identities(tmp_path, 3)
+    rid = run_id()
+    avg = AveragingConfig(matchmaking_time=1, averaging_timeout=20, probe_interval=0)
+
+    async def main() -> None:
+        lead = await Node.create(PeerConfig(run_id=rid, identity_path=str(lead_key)))
+        boot = tuple(await lead.visible_maddrs())
+        follow = await Node.create(PeerConfig(run_id=rid, initial_peers=boot, identity_path=str(follow_key)))
+        ask = await Node.create(PeerConfig(run_id=rid, initial_peers=boot, identity_path=str(ask_key)))
+        leader, follower, asker = (Matchmaker(n, avg, 1.0) for n in (lead, follow, ask))
+        fid, aid = follow.peer_id.to_base58(), ask.peer_id.to_base58()
+        try:
+            for m in (leader, follower, asker):
+                await m.start()
+            led = asyncio.create_task(leader.form_group(3, 8.0, expected_peers=2, gather_time=2,
+                                                        bounds=WeightBounds({fid: 10.0})))
+            with pytest.raises(MatchmakingError, match="is above what .* could plausibly have computed"):
+                await follower.form_group(3, 500.0, expected_peers=2)
+            with contextlib.suppress(MatchmakingError):
+                await led
+            statement = join_statement(rid, 3, fid, aid, asker.incarnation, True)
+            request = {"v": VERSION, "step": 3, **ReadyRecord(Member(aid, 8.0, 1.0)).to_wire(), "g": 0.0, "t": 20.0,
+                       "j": JoinProof(asker.incarnation, ask.sign(statement), True).to_wire()}
+            asker._newest = 3
+            answer = await asker._ask(3, fid, request, asyncio.get_running_loop().time() + 10)
+            assert answer == {"missed": True, "held": False, "failed": True}, answer  # before: {"redirect": leader}
+        finally:
+            for n in (ask, follow, lead):
+                await n.shutdown()
+
+    asyncio.run(main())
 
 
 def test_a_leader_starts_its_round_while_its_closed_record_is_still_being_stored(tmp_path):

@@ -677,3 +677,30 @@ def test_a_service_whose_method_differs_from_its_declaration_fails_at_its_class_
             return step
 
     assert Fits.declared == frozenset({"read"})
+
+
+def test_an_owners_tasks_end_with_it_and_a_failure_is_logged_by_owner(caplog):
+    from dedloc.tasks import Tasks
+
+    async def main():
+        tasks, started = Tasks("the test's owner"), asyncio.Event()
+
+        async def forever():
+            started.set()
+            await asyncio.Event().wait()
+
+        async def fails():
+            raise ValueError("boom")
+
+        loop = tasks.spawn(forever(), name="loop")
+        tasks.spawn(fails(), name="failing")
+        await started.wait()
+        await asyncio.sleep(0)  # the failing one has ended
+        assert len(tasks) == 1
+        await tasks.close()
+        return loop
+
+    with caplog.at_level("WARNING", logger="dedloc.tasks"):
+        loop = asyncio.run(main())
+    assert loop.cancelled()
+    assert "the test's owner: background task failing failed: ValueError: boom" in caplog.text

@@ -42,6 +42,7 @@ from dedloc.net.tcp import DirectTCP, RoundConnections
 from dedloc.net.transport import Handler, StreamPair, Transport
 from dedloc.numerics import all_finite
 from dedloc.records import CollaborationView
+from dedloc.tasks import Tasks
 
 logger = logging.getLogger(__name__)
 ROUND_GRACE = 30.0
@@ -125,7 +126,7 @@ class Averager:
         self._serving = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._reporters: set[asyncio.Task] = set()
+        self._reporters = Tasks("round reports")
         """Passive measurements waiting for their round to finish sending (bounded by its deadline)."""
         self._libp2p = _RoundStreams(node.streams)
         self.tcp = tcp
@@ -203,8 +204,7 @@ class Averager:
         """Close every round still registered (at shutdown, after drain)."""
         for round_id in list(self._rounds):
             self._expire(round_id)
-        for task in self._reporters:
-            task.cancel()
+        await self._reporters.close()
         await self.matchmaker.close()
 
     async def _lookup(self, round_id: bytes, wait: float) -> _Round | None:
@@ -231,11 +231,10 @@ class Averager:
 
         try:
             await asyncio.wait_for(settled(), timeout)
-            await asyncio.gather(*self._reporters, return_exceptions=True)  # served: they finish at once
+            await self._reporters.wait()  # served: they finish at once
             return True
         except asyncio.TimeoutError:
-            for task in self._reporters:
-                task.cancel()
+            self._reporters.cancel()
             logger.info(f"left while {self._serving} stream(s) were still being served (gave up after {timeout:.0f} s)")
             return False
 
@@ -366,9 +365,7 @@ class Averager:
         if served is None or served.is_set():
             self._report(rnd)
         else:  # served is set by the round's result deadline at the latest
-            task = asyncio.create_task(self._report_when(served, rnd))
-            self._reporters.add(task)
-            task.add_done_callback(self._reporters.discard)
+            self._reporters.spawn(self._report_when(served, rnd), name="dedloc-round-report")
 
     async def _report_when(self, served: asyncio.Event, rnd: RoundStats) -> None:
         await served.wait()

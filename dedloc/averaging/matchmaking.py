@@ -21,9 +21,12 @@ Protocol (docs/averaging.md has the reasoning and the soak findings; the rule nu
    and they pass it over as if unreachable and form another group. Such a group does not close at
    all while the progress records show a trainer that can hand the state on at the step: its joiners
    are answered the same, and its leader raises :class:`LeftToTrainersError` (the step is theirs).
-5. A peer whose round for ``s`` failed reopens the step: until it starts matchmaking for ``s`` again,
-   it answers joiners ``{"missed", "held": false, "failed": true}`` (they pass it over, as above), and
-   a failed leader overwrites its ``closed`` record.
+5. A peer whose round for ``s`` failed, or whose matchmaking for it ended without a group (as a
+   follower), reopens the step: until it starts matchmaking for ``s`` again, it answers joiners
+   ``{"missed", "held": false, "failed": true}`` (they pass it over, as above), and a failed leader
+   overwrites its ``closed`` record. A peer asked to lead a step it cannot (not near its own: a
+   process restarted under the id of a ready record still live) refuses with ``pass``, and is
+   passed over too.
 6. A peer suspended while it matched (past its ready record's life; a leader also ``2 *
    matchmaking_time`` past its close, when its joiners have given up) takes no group, and a leader
    so suspended closes nothing: no closed record, and joiners still waiting form another group.
@@ -84,6 +87,7 @@ from dedloc.net import messages
 from dedloc.net.node import Node
 from dedloc.net.tcp import KEY_BYTES
 from dedloc.records import ClosedRecord, CollaborationView, JoinProof, ReadyRecord, Role, join_statement
+from dedloc.tasks import Tasks
 
 logger = logging.getLogger(__name__)
 POLL = 0.05
@@ -125,6 +129,11 @@ class _Lead:
     """Per joiner, its signed proof of joining (the ``closed`` record lists them: rule 13)."""
     record: ClosedRecord | None = None
     """The ``closed`` record of this lead's group (sent with a ``missed`` answer: the asker checks it)."""
+
+
+class _CannotLead(ProtocolError):
+    """A join this peer refuses because it cannot lead the step (not the joiner's fault): answered
+    with ``pass`` (the joiner passes it over, rule 4)."""
 
 
 def _holds_state(members: tuple[Member, ...]) -> bool:
@@ -192,7 +201,7 @@ class Matchmaker:
         """Steps this peer once declined to take as its group's only contributor (rule 14)."""
         self._dead: dict[int, set[bytes]] = {}
         """Per step, the rounds that failed at this peer: it never runs one again (rule 12)."""
-        self._stores: set[asyncio.Task] = set()
+        self._stores = Tasks("matchmaking")
         """The ``closed`` records this peer is storing while its rounds run (``close`` cancels them)."""
         self._waiting: dict[int, dict[str, float]] = {}
         """Per step, the joiners waiting for this peer's answer, each with the time (event loop) by
@@ -263,9 +272,7 @@ class Matchmaker:
 
     async def close(self) -> None:
         """Cancel the closed-record stores still under way (at shutdown)."""
-        for task in list(self._stores):
-            task.cancel()
-        await asyncio.gather(*self._stores, return_exceptions=True)
+        await self._stores.close()
 
     async def _withdraw_closed(self, step: int) -> None:
         """Overwrite this peer's ``closed`` record for ``step`` so that it closes nothing (bounded by
@@ -402,6 +409,15 @@ class Matchmaker:
             return TOOK
         return None
 
+    def _gave_up(self, step: int) -> None:
+        """Rule 5 for a follower whose matchmaking for ``step`` ended without a group: until it starts
+        matchmaking for the step again, a joiner that asks it is told to pass it over (``failed``),
+        not sent on to the leader it last followed, which that joiner may have passed over already
+        (it would wait on the redirect until its deadline, and fail the step)."""
+        if self._follow.pop(step, None) is not None:
+            self._failed.add(step)
+            self._decision(step).set()
+
     def _missed(self, step: int, why: str) -> NoReturn:
         self._decision(step).set()
         raise _missed_error(step, why)
@@ -461,10 +477,17 @@ class Matchmaker:
         if not candidates:
             raise MatchmakingError(f"step {step}: no reachable peer (neither in client mode nor behind NAT) is ready to lead")
         timeout = timeout or self.config.averaging_timeout
-        if candidates[0] == self.me:
-            group = await self._run_lead(step, me, expected_peers, loop.time() + t, numel, timeout)
-        else:
-            group = await self._run_follow(step, me, candidates, loop.time() + 2 * t, gather, numel, timeout, ready)
+        try:
+            if candidates[0] == self.me:
+                group = await self._run_lead(step, me, expected_peers, loop.time() + t, numel, timeout)
+            else:
+                group = await self._run_follow(step, me, candidates, loop.time() + 2 * t, gather, numel, timeout,
+                                               ready)
+        except MissedRoundError:
+            raise  # (the leader it followed closed the step: a joiner sent there learns the same)
+        except MatchmakingError:
+            self._gave_up(step)
+            raise
         # A group formed over longer than the ready record stored above lives is refused: this process
         # was suspended (a stopped laptop) and woke up to a step whose records had expired, so it could
         # only see itself, and would take the step alone.
@@ -593,9 +616,7 @@ class Matchmaker:
                 # to, a frozen one too, and a leader that waited for it would begin its round after its
                 # members, whose aggregators refuse its contributions as late. A withdrawal (rule 5)
                 # may overtake it: stored later, it expires later, and the DHT keeps the later expiry.
-                task = asyncio.create_task(stored, name=f"dedloc-closed-{step}")
-                self._stores.add(task)
-                task.add_done_callback(self._stores.discard)
+                self._stores.spawn(stored, name=f"dedloc-closed-{step}")
         else:
             logger.info(f"step {step}: led a group in which no member can hand the state on (clients and "
                         f"aggregators only); peers that missed it will form another")
@@ -721,13 +742,13 @@ class Matchmaker:
             if member is None or step < 0:
                 raise ProtocolError("malformed join request")
             if not self._newest - KEEP_STEPS <= step <= self._newest + JOIN_AHEAD:
-                raise ProtocolError(f"step {step} is not near this peer's step {self._newest}")
+                raise _CannotLead(f"step {step} is not near this peer's step {self._newest}")
             if proof is None or proof.contributes != (member.weight > 0) or \
                     not proof.holds(self.node.config.run_id, step, self.me, peer):
                 raise ProtocolError("the join is not signed by its sender for this leader and step")
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
             self._refusals.warn(peer, f"refused join request from {peer}: {e}")
-            return {"error": str(e)}
+            return {"error": str(e), **({"pass": True} if isinstance(e, _CannotLead) else {})}
         waiting = self._waiting.setdefault(step, {})
         if answer_within is not None:  # the leader's work after closing is bounded by matchmaking_time / 2
             waiting[peer] = received + answer_within - ANSWER_MARGIN * self.config.matchmaking_time
@@ -742,7 +763,7 @@ class Matchmaker:
         try:
             await asyncio.wait_for(self._decision(step).wait(), 2 * self.config.matchmaking_time + gather)
         except asyncio.TimeoutError:
-            return {"error": f"not matchmaking for step {step}"}
+            return {"error": f"not matchmaking for step {step}", "pass": True}
         bounds = self._bounds.get(step)
         excess = bounds.excess(peer, member.weight) if bounds is not None else None
         if excess is not None:
@@ -895,6 +916,11 @@ class Matchmaker:
                                                        f"group that closed it for this peer shows; forming another")
                 passed_over = f"{leader} answered missed without a group that closed the step, and no other " \
                               f"reachable peer is ready to lead"
+            elif response.get("pass") is True:  # it cannot lead the step (a process restarted under its id,
+                # whose old ready record still shows): passed over, as if unreachable
+                why = f"{leader} cannot lead the step ({str(response.get('error'))[:200]})"
+                self._note(step, f"cannot lead:{leader}", f"{why}; forming another")
+                passed_over = f"{why}, and no other reachable peer is ready to lead"
             else:
                 raise MatchmakingError(f"step {step}: leader {leader} refused: {response.get('error')}")
             # this leader is passed over for the step (every peer that asks it is, alike): the next one leads

@@ -18,6 +18,7 @@ from dedloc.averaging.accumulator import PartAccumulator
 from dedloc.averaging.round_core import RoundCore
 from dedloc.averaging.round_verifier import VerifierRole
 from dedloc.averaging.wire import Header, Kind, ProtocolError, write_error, write_frame
+from dedloc.tasks import Tasks
 
 logger = logging.getLogger(__name__)
 REFETCH_WAIT = 2.0
@@ -37,7 +38,7 @@ class FailoverRole:
     def __init__(self, core: RoundCore, verifier: VerifierRole):
         self.c, self.verifier = core, verifier
         self._parts: dict[int, Failover] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._tasks = Tasks("failover")
 
     def state(self, j: int) -> Failover:
         """Part ``j``'s failover at this member, started on first use."""
@@ -48,7 +49,7 @@ class FailoverRole:
             state = Failover(PartAccumulator(c.senders - {j}, e - s, c.pool.take(e - s, zero=True),
                                              optional={j} & c.senders))
             self._parts[j] = state
-            self._tasks.append(asyncio.create_task(self._run(j, state)))
+            self._tasks.spawn(self._run(j, state), name=f"dedloc-failover-{j}")
         return self._parts[j]
 
     async def _run(self, j: int, state: Failover) -> None:
@@ -152,8 +153,7 @@ class FailoverRole:
             raise ConnectionError("sender left") from None
 
     def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        self._tasks.cancel()
 
 
 __all__ = ["FailoverRole", "Failover"]

@@ -44,6 +44,7 @@ from dedloc.net.relay_guard import RelayGuard, keep_known
 from dedloc.net import links
 from dedloc.net.serve import Streams
 from dedloc.net.reachability import DialbackServer, Reachability, probe
+from dedloc.tasks import Tasks
 
 logger = logging.getLogger(__name__)
 _launching: contextvars.ContextVar[list[str]] = contextvars.ContextVar("dedloc_daemon_sockets")
@@ -160,7 +161,7 @@ class Node:
         self.relay_guard: RelayGuard | None = None
         self.sign: Callable[[bytes], bytes] = _unsigned
         """Signs with this peer's identity key (direct-connection hellos, net/tcp.py); set by ``create``."""
-        self._tasks: list[asyncio.Task] = []
+        self._tasks = Tasks("node")
         """Background tasks this node owns (membership upkeep); ``shutdown()`` cancels them."""
         self._members: dict[str, float] = {}
         """The run's DHT servers seen publishing progress (peer id -> when, monotonic)."""
@@ -259,17 +260,17 @@ class Node:
                 shutil.rmtree(scratch, ignore_errors=True)  # the daemon has read its key
         node = cls(p2p, dht, config, reachability, streams)
         node.sign = key.sign
-        node._tasks.append(asyncio.create_task(node.keep_in_touch(), name="dedloc-keep-in-touch"))
+        node._tasks.spawn(node.keep_in_touch(), name="dedloc-keep-in-touch")
         if authorizer.invite_only:
             node.revocations = RevocationSync(authorizer, node.key("revoked"), peer_id, config.revocations, node.store, node.get)
             await node.revocations.refresh()
-            node._tasks.append(asyncio.create_task(node.revocations.run(), name="dedloc-revocations"))
+            node._tasks.spawn(node.revocations.run(), name="dedloc-revocations")
             if config.relay_service:  # the daemon's relay admits anyone: drop who shows no invitation
                 node.relay_guard = RelayGuard(p2p, authorizer, peer_id)
-                node._tasks.append(asyncio.create_task(node.relay_guard.run(), name="dedloc-relay-guard"))
+                node._tasks.spawn(node.relay_guard.run(), name="dedloc-relay-guard")
             if auto_relay and not reachability.public:  # stay known to the relays this peer holds slots on
-                node._tasks.append(asyncio.create_task(
-                    keep_known(dht.protocol.call_ping, [Multiaddr(a)["p2p"] for a in relays]), name="dedloc-keep-known"))
+                node._tasks.spawn(keep_known(dht.protocol.call_ping, [Multiaddr(a)["p2p"] for a in relays]),
+                                  name="dedloc-keep-known")
         return node
 
     def saw(self, peers: Iterable[str]) -> None:
@@ -396,9 +397,7 @@ class Node:
         return out
 
     async def shutdown(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()
         try:
             await asyncio.wait_for(self.dht.shutdown(), 5)
         except Exception:

@@ -45,6 +45,7 @@ import torch
 
 from dedloc import errors
 from dedloc.errors import DedlocError, JoinError, RuntimeClosedError
+from dedloc.tasks import Tasks
 
 logger = logging.getLogger(__name__)
 _live: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
@@ -313,7 +314,7 @@ async def _serve(conn, factory: str, args: tuple) -> None:
     loop.add_reader(conn.fileno(), on_readable)
     loop.add_signal_handler(signal.SIGTERM, inbox.put_nowait, None)
     conn.send(("ready", await service.info()))
-    tasks: set[asyncio.Task] = set()
+    tasks = Tasks("runtime")
 
     async def handle(rid: int, method: str, a: tuple, kw: dict) -> None:
         try:
@@ -338,12 +339,8 @@ async def _serve(conn, factory: str, args: tuple) -> None:
                 break
             if msg is None or msg[1] == "__shutdown__":
                 break
-            task = asyncio.create_task(handle(*msg))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            tasks.spawn(handle(*msg), name=f"dedloc-call-{msg[1]}")
     finally:
-        for task in list(tasks):
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await tasks.close()
         await service.shutdown(drain=not orphaned)
 

@@ -72,6 +72,7 @@ from dedloc.auth.identity import public_key_of
 from dedloc.auth.limits import PeerLimits
 from dedloc.net.messages import read_message, wait_peer_closed, write_message
 from dedloc.net.transport import Handler, PeerSilent, Refused, StreamPair, Transport, serve_stream
+from dedloc.tasks import Tasks
 
 logger = logging.getLogger(__name__)
 VERSION = 1
@@ -188,7 +189,7 @@ class DirectTCP:
         self.endpoint: Endpoint | None = None
         """Where others connect (None: this peer does not listen, e.g. in client mode)."""
         self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = Tasks("direct connections")
         self._failed: dict[str, float] = {}
         self._handlers: dict[str, Handler] = {}
         self._limits = PeerLimits(RATE_PER_PEER, BURST_PER_PEER, MAX_CONNECTIONS_PER_PEER)
@@ -209,9 +210,7 @@ class DirectTCP:
         ctx = self._cert.server if self.encryption else None
 
         def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            task = asyncio.create_task(self._serve(reader, writer, keys))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks.spawn(self._serve(reader, writer, keys), name="dedloc-direct-serve")
 
         self._server = await loop.create_server(lambda: DirectProtocol(loop, READ_LIMIT, connected), bind, port,
                                                 ssl=ctx, ssl_handshake_timeout=CONNECT_WAIT if ctx else None)
@@ -389,9 +388,7 @@ class DirectTCP:
         """Stop listening and end every connection being served."""
         if self._server is not None:
             self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()
         if self._server is not None:
             try:
                 await asyncio.wait_for(self._server.wait_closed(), 5)

@@ -34,6 +34,7 @@ from typing import Any, Awaitable, Callable
 from dedloc.errors import ProtocolError
 from dedloc.logs import PerPeerWarnings
 from dedloc.net.messages import wait_peer_closed
+from dedloc.tasks import Tasks
 
 logger = logging.getLogger(__name__)
 _warnings = PerPeerWarnings(logger)
@@ -133,7 +134,7 @@ class LocalPairs:
 
     def __init__(self) -> None:
         self._handlers: dict[tuple[str, str], Handler] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = Tasks("local streams")
 
     def transport(self, name: str) -> Transport:
         return _LocalTransport(self, name)
@@ -144,9 +145,7 @@ class LocalPairs:
             raise ConnectionError(f"{peer_id} serves no {protocol}")
         a, b = socket.socketpair()
         reader, writer = await asyncio.open_connection(sock=a)
-        server = asyncio.create_task(self._serve(handler, caller, *await asyncio.open_connection(sock=b)))
-        self._tasks.add(server)
-        server.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._serve(handler, caller, *await asyncio.open_connection(sock=b)), name="dedloc-local-serve")
         return reader, writer
 
     @staticmethod
@@ -159,11 +158,8 @@ class LocalPairs:
 
     async def close(self, timeout: float = 30.0) -> None:
         """Let the streams being served finish (bounded), then cancel what is left."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.wait(timeout)
+        await self._tasks.close()
 
 
 class _LocalTransport(Transport):

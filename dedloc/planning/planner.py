@@ -33,6 +33,7 @@ from dedloc.planning import lp
 from dedloc.planning.estimate import LinkEstimates
 from dedloc.planning.probe import ProbeResult, ProbeServer, probe
 from dedloc.records import MAX_DIRECT, CapabilityRecord
+from dedloc.tasks import Tasks
 
 logger = logging.getLogger(__name__)
 PUBLISH_INTERVAL = 30.0
@@ -57,7 +58,7 @@ class Planner:
         self.snapshot: dict[str, CapabilityRecord] = {}
         self._snapshot_time = -1e9
         self._last: lp.Plan | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks = Tasks("planner")
         self._refreshing: asyncio.Task | None = None
         self._changed = asyncio.Event()
         self._published: CapabilityRecord | None = None
@@ -66,15 +67,12 @@ class Planner:
 
     async def start(self) -> None:
         await self.server.start()
-        self._tasks.append(asyncio.create_task(self._publish_loop()))
+        self._tasks.spawn(self._publish_loop(), name="dedloc-capabilities")
         if self.config.probe_interval > 0 and (self.config.upload_mbps is None or self.config.download_mbps is None):
-            self._tasks.append(asyncio.create_task(self._probe_loop()))
+            self._tasks.spawn(self._probe_loop(), name="dedloc-probes")
 
     async def close(self) -> None:
-        tasks = self._tasks + ([self._refreshing] if self._refreshing is not None else [])
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.close()
 
     # ---- measurement ---------------------------------------------------------------------------
     def record(self) -> CapabilityRecord:
@@ -201,7 +199,7 @@ class Planner:
             except Exception as e:
                 logger.debug(f"could not re-read capability records: {e!r}")
 
-        self._refreshing = asyncio.create_task(read())
+        self._refreshing = self._tasks.spawn(read(), name="dedloc-capabilities-read")
 
     def _unknown(self, peer: str) -> bool:
         """No record of ``peer`` in the snapshot, or one without measured rates yet (a newcomer
