@@ -16,9 +16,11 @@ Every implementation serves an incoming stream through :func:`serve_stream` (adm
 close rule, the error ladder), so they cannot drift apart.
 
 Failure behaviour, for every implementation: ``open`` raises ConnectionError if the peer cannot be
-reached (PeerSilent if it took the stream but never answered its hello: a frozen peer), or, for
-libp2p, Unauthorized / ProtocolError with the peer's reason if it refuses; callers bound it with
-their own deadline.
+reached or does not serve the protocol (PeerSilent if it took the stream but never answered its
+hello: a frozen peer), or, for libp2p, Unauthorized / ProtocolError with the peer's reason if it
+refuses; callers bound it with their own deadline. A handler that fails ends its stream (the
+opener reads its end) and the protocol goes on being served. tests/test_transports.py checks
+these on every implementation.
 """
 
 from __future__ import annotations
