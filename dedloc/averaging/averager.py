@@ -19,6 +19,7 @@ import asyncio
 import ipaddress
 import logging
 import time
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol
 
 import torch
@@ -81,6 +82,17 @@ class _Broadcast:
             self.result.cancel()
 
 
+@dataclass
+class _Served:
+    """A round this peer serves: the round, its direct-connection secret (b"": libp2p only) and
+    members, and the timer that closes it."""
+
+    round: _Round
+    key: bytes
+    members: frozenset[str]
+    expiry: asyncio.TimerHandle
+
+
 class _RoundStreams(Transport):
     """libp2p streams as rounds see them: a refusal (the peer is not a member to us, or we are over
     its limits) raises ConnectionError with the peer's reason, like a peer the daemon cannot reach,
@@ -120,9 +132,10 @@ class Averager:
         self.pool = BufferPool()  # receive buffers and partial sums, reused across rounds
         self.me = node.peer_id.to_base58()
         self.proto = f"dedloc.{node.config.run_id}.allreduce"
-        self._rounds: dict[bytes, _Round] = {}
-        self._expiries: dict[bytes, asyncio.TimerHandle] = {}
+        self._rounds: dict[bytes, _Served] = {}
+        """The rounds this peer serves, by round id."""
         self._arrivals: dict[bytes, asyncio.Event] = {}
+        """Streams waiting for a round not registered yet (``_lookup``)."""
         self._serving = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -131,8 +144,6 @@ class Averager:
         self._libp2p = _RoundStreams(node.streams)
         self.tcp = tcp
         """Direct connections for round streams (None: libp2p streams only; net/tcp.py)."""
-        self._keys: dict[bytes, tuple[bytes, frozenset[str]]] = {}
-        """Per round served: its direct-connection secret and its members."""
 
     async def start(self) -> None:
         await self.matchmaker.start()
@@ -163,9 +174,10 @@ class Averager:
 
     async def _round_key(self, round_id: bytes) -> tuple[bytes, frozenset[str]] | None:
         """The secret and members of a round this peer serves (waiting briefly for it to start)."""
-        if round_id not in self._keys:
+        if round_id not in self._rounds:
             await self._lookup(round_id, 2 * self.config.matchmaking_time)
-        return self._keys.get(round_id)
+        served = self._rounds.get(round_id)
+        return (served.key, served.members) if served is not None and served.key else None
 
     def _opener(self, group: Group, outcome: RoundOutcome) -> OpenStream:
         """How this round reaches a member: a direct connection where the group and the member allow
@@ -184,21 +196,16 @@ class Averager:
         """Serve ``rnd``'s streams for ``lifetime`` seconds (its deadlines and a grace for late
         streams), then close it: the averager owns every round, and no timer or task outlives it.
         ``group``: the round's (or its parent's) members and direct-connection secret."""
-        if group.key:
-            self._keys[round_id] = (group.key, frozenset(m.peer_id for m in group.members))
-        self._rounds[round_id] = rnd
+        expiry = asyncio.get_running_loop().call_later(lifetime, self._expire, round_id)
+        self._rounds[round_id] = _Served(rnd, group.key, frozenset(m.peer_id for m in group.members), expiry)
         self._arrivals.pop(round_id, asyncio.Event()).set()
-        self._expiries[round_id] = asyncio.get_running_loop().call_later(lifetime, self._expire, round_id)
 
     def _expire(self, round_id: bytes) -> None:
         """Stop serving the round and close it (from its timer, or early at shutdown)."""
-        handle = self._expiries.pop(round_id, None)
-        if handle is not None:
-            handle.cancel()  # a no-op when the timer itself fired
-        self._keys.pop(round_id, None)
-        rnd = self._rounds.pop(round_id, None)
-        if rnd is not None:
-            rnd.close()
+        served = self._rounds.pop(round_id, None)
+        if served is not None:
+            served.expiry.cancel()  # a no-op when the timer itself fired
+            served.round.close()
 
     async def close(self) -> None:
         """Close every round still registered (at shutdown, after drain)."""
@@ -214,7 +221,8 @@ class Averager:
                 await asyncio.wait_for(event.wait(), wait)
             except asyncio.TimeoutError:
                 self._arrivals.pop(round_id, None)
-        return self._rounds.get(round_id)
+        served = self._rounds.get(round_id)
+        return served.round if served is not None else None
 
     async def drain(self, timeout: float) -> bool:
         """Wait (bounded) until no stream is being served and every round this peer aggregated has
@@ -223,8 +231,8 @@ class Averager:
         True if that happened in time."""
         async def settled() -> None:
             while True:  # a stream may start while we wait: check both again until both hold at once
-                unserved = [r.served for r in self._rounds.values()
-                            if isinstance(r, PartitionedRound) and not r.served.is_set()]
+                unserved = [r.round.served for r in self._rounds.values()
+                            if isinstance(r.round, PartitionedRound) and not r.round.served.is_set()]
                 if self._idle.is_set() and not unserved:
                     return
                 await asyncio.gather(self._idle.wait(), *(e.wait() for e in unserved))

@@ -29,6 +29,18 @@ logger = logging.getLogger(__name__)
 
 OpenStream = Callable[[str], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
+# A partitioned round's deadlines, as fractions of its timeout T (docs/averaging.md, failure table):
+START_BY = 0.25
+"""Every contribution stream has opened (they open at the round's start); an aggregator stops
+waiting for senders that have not begun."""
+REDUCE_BY = 0.5
+"""Every contribution has arrived: an aggregator reduces without the late ones (results follow)."""
+RESULT_BY = 0.6
+"""Every result has arrived: a member fails a part it lacks over to the part's backup, and an
+aggregator whose part is final serves it to members that cannot reach the backup."""
+FAILOVER_BY = 0.85
+"""A backup re-reduces a failed part with the re-sent contributions it holds."""
+
 
 def _differs(weight: float, agreed: float) -> bool:
     """Whether a weight is not the one agreed when the group formed (beyond float noise)."""
@@ -104,11 +116,11 @@ class RoundCore:
         loop = asyncio.get_running_loop()
         start = loop.time()
         self.t0 = time.monotonic()
-        self.start_deadline = start + 0.25 * timeout  # every contribution stream opens at the round's start
-        self.reduce_deadline = start + 0.5 * timeout  # contributions stream until near the end: results follow them
-        self.result_deadline = start + 0.6 * timeout
-        self.failover_deadline = start + 0.85 * timeout
-        self.deadline = start + timeout
+        self.start_deadline = start + START_BY * timeout
+        self.reduce_deadline = start + REDUCE_BY * timeout
+        self.result_deadline = start + RESULT_BY * timeout
+        self.failover_deadline = start + FAILOVER_BY * timeout
+        self.deadline = start + timeout  # the round fails
         self.aggregators = group.aggregators
         self.senders = {i for i, m in enumerate(group.members) if m.weight > 0}
         self.have = {j: loop.create_future() for j in self.aggregators}
