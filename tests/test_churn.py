@@ -793,7 +793,7 @@ def test_a_peer_still_catching_up_does_not_take_the_next_step_alone():
         with held_back_while_catching_up_on_step_1(peer, other, "held back", "it took the step alone") as copt:
             moved.set()
             deadline = time.monotonic() + 20
-            while copt._would_lead_alone(peer.collaboration()):
+            while copt._held_back_alone(peer.collaboration()):
                 assert time.monotonic() < deadline, "it kept holding once the other trainer reached its step"
                 time.sleep(0.1)
     finally:
@@ -834,7 +834,7 @@ def test_a_peer_that_missed_a_round_waits_for_its_members_before_the_next_step(r
     try:
         with held_back_while_catching_up_on_step_1(peer, member, "missed round runs", "it took step 2 while the "
                                                    "others were still in the round of step 1") as copt:
-            assert not copt._would_lead_alone(peer.collaboration()), "held back by the other rule, not this one"
+            assert not copt._held_back_alone(peer.collaboration()), "held back by the other rule, not this one"
             released.set()
             deadline = time.monotonic() + 20
             while copt._waits_for_missed_round(peer.collaboration()):

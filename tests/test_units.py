@@ -704,3 +704,87 @@ def test_an_owners_tasks_end_with_it_and_a_failure_is_logged_by_owner(caplog):
         loop = asyncio.run(main())
     assert loop.cancelled()
     assert "the test's owner: background task failing failed: ValueError: boom" in caplog.text
+
+
+# ---- the optimizer's step rules (optim/step_rules.py), on made-up records ------------------------
+def _rec(peer: str, step: int, role: Role = Role.TRAINER, applied: int | None = None, t: float = 1000.0,
+         syncing: bool = False) -> ProgressRecord:
+    return ProgressRecord(peer, step, 8, 4.0, role, 0.0, t, fingerprint="" if applied is None else f"{applied}:h{applied}",
+                          syncing=syncing)
+
+
+def _progress_view(*records: ProgressRecord) -> CollaborationView:
+    return CollaborationView.build(list(records), 1000.0)
+
+
+def test_step_rule_a_backbone_past_the_step_means_the_run_took_it():
+    from dedloc.optim.step_rules import checkpointed_past
+
+    assert checkpointed_past(_progress_view(_rec("me", 5), _rec("bb", 6, Role.BACKBONE)), 5) == \
+        "a backbone holds step 6, so the run took step 5 already"
+    assert checkpointed_past(_progress_view(_rec("me", 5), _rec("bb", 5, Role.BACKBONE), _rec("t", 9)), 5) == ""
+
+
+@pytest.mark.parametrize("client, catching_up, others, expect", [
+    (True, False, [_rec("t", 4)], "a client-mode peer"),  # ahead of the only trainer: held
+    (False, True, [_rec("t", 4)], "a peer still catching up"),
+    (False, False, [_rec("t", 4)], None),  # a trainer that serves its state leads
+    (True, False, [_rec("t", 5)], None),  # another reachable trainer is at the step
+    (True, False, [_rec("c", 4, Role.CLIENT)], None),  # no other server of state at all: nobody to wait for
+    (True, False, [_rec("bb", 4, Role.BACKBONE)], None),  # no other trainer alive: the clients are the run
+])
+def test_step_rule_held_back_alone(client, catching_up, others, expect):
+    from dedloc.optim.step_rules import held_back_alone
+
+    why = held_back_alone(_progress_view(_rec("me", 5, Role.CLIENT if client else Role.TRAINER), *others), "me", 5, client,
+                          catching_up)
+    assert (why is None) == (expect is None) and (expect is None or expect in why), why
+
+
+def _windows():
+    from dedloc.optim.step_rules import Windows
+
+    return Windows(matchmaking_time=5.0, averaging_timeout=20.0, state_timeout=120.0)  # a round: 40 s
+
+
+@pytest.mark.parametrize("records, waited, expect", [
+    ([_rec("t", 7, applied=7)], 0.0, "a peer holds its update"),
+    ([_rec("t", 6, applied=6, t=1001.0)], 5.0, "another training peer is still accumulating for it"),
+    ([_rec("t", 6, applied=6, t=1001.0)], 41.0, None),  # past a round's length: frozen, or waiting on us
+    ([_rec("t", 6, applied=6, syncing=True, t=1001.0)], 5.0, "may not have published it yet"),  # resyncing: not at it
+    ([_rec("t", 7, applied=6, t=1001.0)], 19.0, "may not have published it yet"),  # < 2 * 5 + 10 s
+    ([_rec("t", 7, applied=6, t=1000.0)], 25.0, "no record from another peer since the catch-up started"),
+    ([_rec("t", 7, applied=6, t=1000.0)], 121.0, None),  # stale, but state_timeout has passed
+    ([_rec("t", 7, applied=6, t=1001.0)], 25.0, None),  # fresh news, nobody holds it: lost by all
+    ([_rec("c", 7, Role.CLIENT, applied=7, t=1001.0)], 25.0, None),  # a client's copy cannot be downloaded
+])
+def test_step_rule_skip_waits(records, waited, expect):
+    from dedloc.optim.step_rules import skip_waits
+
+    why = skip_waits(_progress_view(_rec("me", 7, applied=6), *records), "me", 7, waited, {"t": 1000.0, "c": 1000.0},
+                     _windows())
+    assert (why is None) == (expect is None) and (expect is None or expect in why), why
+
+
+def test_step_rule_round_may_finish_and_skip_published():
+    from dedloc.optim.step_rules import round_may_finish, skip_published
+
+    assert round_may_finish(1010.0, 1000.0) and not round_may_finish(1000.0, 1000.0) and not round_may_finish(None, 0)
+    view = _progress_view(_rec("me", 7, applied=6), ProgressRecord("t", 7, 0, 1.0, Role.TRAINER, 0.0, 1000.0, fingerprint="7:h6"))
+    assert skip_published(view, "me", 7, "6:h6")  # same parameters, one step on: it skipped step 6
+    assert not skip_published(view, "me", 7, "6:other")
+
+
+@pytest.mark.parametrize("records, catchup_step, waited, expect", [
+    ([_rec("t", 8, applied=7)], 8, 1.0, True),  # the others are at 8 holding 7: in the round of 7
+    ([_rec("t", 8, applied=8)], 8, 1.0, False),  # one shows 8 applied: the round of 7 is over
+    ([_rec("t", 8, applied=7)], 7, 1.0, False),  # catching up on another step
+    ([_rec("t", 8, applied=7)], None, 1.0, False),  # not catching up
+    ([_rec("t", 8, applied=7)], 8, 40.0, False),  # a round's length has passed
+    ([_rec("t", 8, applied=6)], 8, 1.0, False),  # nobody at the step holds the step before
+])
+def test_step_rule_others_in_missed_round(records, catchup_step, waited, expect):
+    from dedloc.optim.step_rules import others_in_missed_round
+
+    assert others_in_missed_round(_progress_view(_rec("me", 8, applied=7), *records), "me", 8, catchup_step, waited,
+                                  _windows()) is expect

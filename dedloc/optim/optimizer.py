@@ -62,7 +62,9 @@ from dedloc.state import lineage
 from dedloc.optim.accumulator import GradientAccumulator
 from dedloc.optim.claims import ClaimBounds
 from dedloc.optim.hand_on import hand_on
+from dedloc.optim import step_rules
 from dedloc.optim.scaling import CollaborativeScale
+from dedloc.optim.step_rules import FRESH_GRACE
 from dedloc.peer import Peer
 from dedloc.records import CollaborationView, ProgressRecord, Role
 from dedloc.state import snapshot
@@ -104,8 +106,6 @@ class _Seen:
 
 FAR_MARGIN = 2.0
 MAX_VIEW_AGE = 5.0
-FRESH_GRACE = 10.0
-"""Seconds a catch-up keeps asking before it concludes that no member holds the missed update."""
 
 
 @dataclass
@@ -115,7 +115,7 @@ class _CatchUp:
     """Of ``Peer.download_state``'s (step, blob, donor)."""
     started: float
     heard: dict[str, float] = field(default_factory=dict)
-    """Each peer's record's publish time in the view read at the start (``_heard_from_others``)."""
+    """Each peer's record's publish time in the view read at the start (step_rules.heard_from_others)."""
     missed_until: float | None = None
     """Until when (wall clock) the round of ``min_step - 1`` that this peer missed may still run, read
     once from its closed records (``_waits_for_missed_round``); 0.0 if none runs."""
@@ -240,7 +240,7 @@ class CollaborativeOptimizer:
             view = self._cached_view_if_far()
             if view is None:
                 view = self._report(busy=True)
-            checkpointed = self._checkpointed_past(view)
+            checkpointed = step_rules.checkpointed_past(view, self.global_step)
             if view.global_step > self.global_step + 1 or checkpointed or self._disagrees(view):
                 self._resync(view, f"the collaboration is at step {view.global_step}" if
                              view.global_step > self.global_step + 1 else checkpointed or self._disagreement(view))
@@ -248,7 +248,7 @@ class CollaborativeOptimizer:
             if view.samples_at(self.global_step) < self.config.target_batch_size and \
                     view.global_step <= self.global_step:
                 return StepOutcome.ACCUMULATED
-            if self._would_lead_alone(view) or self._waits_for_missed_round(view):
+            if self._held_back_alone(view) or self._waits_for_missed_round(view):
                 return StepOutcome.ACCUMULATED
             return self._round(view)
         finally:
@@ -305,6 +305,11 @@ class CollaborativeOptimizer:
     def view(self) -> CollaborationView | None:
         """The collaboration's progress as this peer last read it (None before the first read)."""
         return self._seen.view if self._seen is not None else None
+
+    @property
+    def _windows(self) -> step_rules.Windows:
+        avg = self.peer.averaging
+        return step_rules.Windows(avg.matchmaking_time, avg.averaging_timeout, self.config.state_timeout)
 
     @property
     def samples_per_second(self) -> float:
@@ -410,7 +415,8 @@ class CollaborativeOptimizer:
             except (StateError, ProtocolError, cf.TimeoutError) as e:
                 view = self._refused_forks(e, self._report(busy=False))
                 lost = catchup.min_step - 1
-                if self._skip_published(view, catchup.min_step):  # another member concluded first: follow it
+                if self.config.verify_sync and step_rules.skip_published(view, self.peer.peer_id, catchup.min_step,
+                                                                         self._fingerprint):  # another member concluded first
                     self._skip_lost_step(lost, view, followed=True)
                     return True
                 if isinstance(e, ProtocolError) and downloaded:  # its bytes are not a state, or a fork: start over
@@ -452,47 +458,18 @@ class CollaborativeOptimizer:
 
     def _why_skip_waits(self, view: CollaborationView, catchup: _CatchUp) -> str | None:
         """Why the step that ``catchup`` replaces may not be skipped yet (None: it is lost for every
-        peer alive). ``_land_catchup`` states the conditions and their bounds."""
-        lost, waited = catchup.min_step - 1, time.monotonic() - catchup.started
-        avg = self.peer.averaging
-        if any((r.applied_step or 0) >= catchup.min_step for r in view.peers if r.role.serves):
-            return "a peer holds its update: asking again can succeed"
-        # a peer still accumulating for the lost step has had a round's length to take it; one that has
-        # not by then is frozen, or waits on this peer (held back by its own catch-up): waiting longer
-        # would only stall both
-        if waited < self._round_window() and self._may_still_take(view, lost):
-            return "another training peer is still accumulating for it"
-        if waited < 2 * avg.matchmaking_time + FRESH_GRACE:
-            return "a member whose round succeeded may not have published it yet"
-        if waited < self.config.state_timeout and not self._heard_from_others(view, catchup.heard):
-            return "no record from another peer since the catch-up started"
-        if self._round_may_finish(lost, waited):
+        peer alive): step_rules.skip_waits, then whether a round of it may still finish
+        (``_round_may_finish``). ``_land_catchup`` states the conditions and their bounds."""
+        waited = time.monotonic() - catchup.started
+        why = step_rules.skip_waits(view, self.peer.peer_id, catchup.min_step, waited, catchup.heard, self._windows)
+        if why is None and self._round_may_finish(catchup.min_step - 1, waited):
             return "a round of it may still finish"
-        return None
-
-    def _skip_published(self, view: CollaborationView, step: int) -> bool:
-        """A peer published ``step`` with exactly this peer's parameters: it skipped the lost step."""
-        if not self.config.verify_sync:
-            return False
-        skipped = f"{step}:{self._fingerprint.partition(':')[2]}"
-        return any(r.fingerprint == skipped for r in view.peers if r.peer_id != self.peer.peer_id)
-
-    def _heard_from_others(self, view: CollaborationView, heard: dict[str, float]) -> bool:
-        """Whether ``view`` brings news from another peer since ``heard`` (each peer's record's publish
-        time when the catch-up started): a record published later, or a peer not seen then. Without
-        news, the view may be this peer's stale local copy rather than the collaboration's (a peer
-        resumed from a freeze that reads nobody else would conclude that nobody holds a step the
-        others all took, and skip it: a fork). Clock-skew free: only one peer's own publish times are
-        compared."""
-        me = self.peer.peer_id
-        return any(r.time > heard.get(r.peer_id, -math.inf) for r in view.peers if r.peer_id != me)
+        return why
 
     def _round_may_finish(self, step: int, waited: float) -> bool:
-        """A group closed ``step`` and its round may still finish: its deadline (plus a grace) is
-        ahead. Its leader set that deadline: the smallest timeout its members asked for (matchmaking
-        rule 3), which can exceed this peer's own round length when this peer is not a member:
-        skipping the step at this peer's own length could skip a step that group then takes. Bounded
-        by ``state_timeout`` from the catch-up's start; a DHT that cannot be read counts as "may"."""
+        """Whether a group that closed ``step`` may still finish its round (step_rules.round_may_finish),
+        read from the step's closed records; bounded by ``state_timeout`` from the catch-up's start;
+        a DHT that cannot be read counts as "may"."""
         if waited >= self.config.state_timeout:
             return False
         try:
@@ -500,49 +477,21 @@ class CollaborativeOptimizer:
         except (DedlocError, cf.TimeoutError) as e:
             logger.debug(f"step {step}: could not read its closed rounds ({e!r}); waiting on")
             return True
-        if until is not None and time.time() < until:
+        if step_rules.round_may_finish(until, time.time()):
             self._noted.log(step, "round runs", f"step {step}: a round of it may still finish (its deadline is "
                             f"{until - time.time():.0f} s ahead): waiting for it before skipping the step")
             return True
         return False
 
-    def _may_still_take(self, view: CollaborationView, step: int) -> bool:
-        """Another training peer is still accumulating for ``step``: it has not started that round
-        (a peer resyncing does not count: it takes no round before it holds a later state)."""
-        me = self.peer.peer_id
-        return any(r.peer_id != me for r in view.trainers_at(step))
-
-    def _checkpointed_past(self, view: CollaborationView) -> str:
-        """Why this peer's step is taken already, if a backbone holds a state past it ("" if none does).
-
-        A backbone checkpoints only states a trainer applied on the history the live peers hold, so its
-        step is a step the run took, even when the trainers that took it have left or are out of reach.
-        Without this rule a peer one step behind took that step again alone once its peers had left
-        (docs/optimizer.md, "Islands")."""
-        ahead = max((r.step for r in view.peers if r.role == Role.BACKBONE and r.step > self.global_step), default=None)
-        return "" if ahead is None else \
-            f"a backbone holds step {ahead}, so the run took step {self.global_step} already"
-
-    def _would_lead_alone(self, view: CollaborationView) -> bool:
-        """Whether to hold back this step's round (keeping the gradients) because this peer would take
-        it ahead of every other reachable peer without being able to hand the result on:
-
-        - a client-mode peer accepts no streams, so no one could download the steps it took alone;
-        - a peer still catching up on the previous step holds no state to serve, and a round alone
-          would only put it further ahead while the others chase it (each peer waiting for the
-          other: a stall).
-
-        It holds until another reachable peer reaches its step (see ``CollaborationView.global_step``)."""
-        me = self.peer.peer_id
-        others = max((r.step for r in view.peers if r.role.serves and r.peer_id != me), default=None)
-        cannot_serve = self.peer.role == Role.CLIENT or self._catchup is not None
-        if not cannot_serve or others is None or others >= self.global_step or \
-                not any(r.role == Role.TRAINER for r in view.peers if r.peer_id != me):
+    def _held_back_alone(self, view: CollaborationView) -> bool:
+        """Whether this peer holds back its round (step_rules.held_back_alone: a client-mode peer, or
+        one still catching up, would take the step ahead of every reachable trainer); INFO once per step."""
+        why = step_rules.held_back_alone(view, self.peer.peer_id, self.global_step, self.peer.role == Role.CLIENT,
+                                         self._catchup is not None)
+        if why is None:
             self._noted.forget(self.global_step, "held back")
             return False
-        why = "a client-mode peer" if self.peer.role == Role.CLIENT else "a peer still catching up"
-        self._noted.log(self.global_step, "held back", f"step {self.global_step}: no other reachable trainer has reached "
-                        f"it yet (they are at step {others}); {why} does not lead, so it keeps accumulating")
+        self._noted.log(self.global_step, "held back", why)
         return True
 
     def _waits_for_missed_round(self, view: CollaborationView) -> bool:
@@ -559,11 +508,9 @@ class CollaborativeOptimizer:
         the moment its own ends, and publishes its progress only after its next micro-batch); at
         most a round's length from the catch-up's start. A DHT that cannot be read does not hold it
         back."""
-        catchup, step, me = self._catchup, self.global_step, self.peer.peer_id
-        if catchup is None or catchup.min_step != step or \
-                any((r.applied_step or 0) >= step for r in view.peers if r.role.serves and r.peer_id != me) or \
-                not any(r.applied_step == step - 1 for r in view.trainers_at(step) if r.peer_id != me) or \
-                time.monotonic() - catchup.started >= self._round_window():
+        catchup, step = self._catchup, self.global_step
+        if catchup is None or not step_rules.others_in_missed_round(view, self.peer.peer_id, step, catchup.min_step,
+                                                                    time.monotonic() - catchup.started, self._windows):
             return False
         if catchup.missed_until is None:
             try:
@@ -583,12 +530,6 @@ class CollaborativeOptimizer:
                         f"{step - 1} that this peer missed; it keeps accumulating until they can join a round of "
                         f"step {step}")
         return True
-
-    def _round_window(self) -> float:
-        """A round's length from a ready peer's point of view: its matchmaking, a retry's fresh
-        window, the round itself and the grace for publishing its result (bounded by ``state_timeout``)."""
-        avg = self.peer.averaging
-        return min(self.config.state_timeout, 2 * avg.matchmaking_time + avg.averaging_timeout + FRESH_GRACE)
 
     def _skip_lost_step(self, step: int, view: CollaborationView, followed: bool = False) -> None:
         """Every member lost the round of ``step``: count it as taken without an update, as they all do
