@@ -788,3 +788,80 @@ def test_step_rule_others_in_missed_round(records, catchup_step, waited, expect)
 
     assert others_in_missed_round(_progress_view(_rec("me", 8, applied=7), *records), "me", 8, catchup_step, waited,
                                   _windows()) is expect
+
+
+# ---- matchmaking's rules (averaging/match_rules.py), on made-up records ---------------------------
+def _signed_group(step: int = 7, run: str = "r"):
+    """Four identities (leader, a, b, me), and a helper building ``closed`` records of the leader's
+    with the listed members' signed joins."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from dedloc.auth.identity import peer_id_of
+    from dedloc.records import ClosedRecord, JoinProof, join_statement
+
+    keys = [ed25519.Ed25519PrivateKey.generate() for _ in range(4)]
+    ids = [peer_id_of(k.public_key()) for k in keys]
+    leader = ids[0]
+
+    def record(*joined: int, listed: tuple[int, ...] = (), inc: str = "i1"):
+        proofs = tuple(sorted((ids[i], JoinProof(inc, keys[i].sign(join_statement(run, step, leader, ids[i], inc, True)),
+                                                 True)) for i in joined))
+        return ClosedRecord(leader, tuple(ids[i] for i in (0, *joined, *listed)), 5.0, proofs)
+
+    return ids, record
+
+
+def _ready(*entries: tuple[str, float, bool]) -> dict:
+    from dedloc.records import Member
+
+    return {p: Member(p, w, 0.0 if client else 1.0, client) for p, w, client in entries}
+
+
+def test_match_rule_whose_group_closes_a_step_for_whom():
+    from dedloc.averaging.match_rules import Asker, closes_for
+
+    (leader, a, b, me), record = _signed_group()
+    asker = Asker("r", me, "mine", client=False)
+    # two provable contributors: it closes the step for every peer it left out
+    assert closes_for(asker, 7, record(1), None)[0] == f"the round led by {leader} closed without this peer"
+    # a group of one contributor (others named without their signed joins): not before the gather...
+    assert closes_for(asker, 7, record(listed=(1, 2)), None) == (None, set())
+    # ...nor while another contributing peer is ready to take the step with this one...
+    assert closes_for(asker, 7, record(), _ready((me, 8, False), (b, 8, False))) == (None, {b})
+    # ...but when nobody else is (a client beside clients only would take it alone: nobody to take it with)
+    assert "a group of one, and no other peer is at the step" in closes_for(asker, 7, record(), _ready((me, 8, False)))[0]
+    client = Asker("r", me, "mine", client=True)
+    assert closes_for(client, 7, record(), _ready((me, 8, True), (b, 8, True)))[0] is not None
+    assert closes_for(asker, 7, record(), _ready((me, 8, False), (b, 0, False)))[0] is not None  # b brings no samples
+    # a record that lists this peer closes nothing for it, unless it holds another process's join of it
+    (leader, a, b, me), record = _signed_group()
+    mine = Asker("r", b, "i1", client=False)
+    assert closes_for(mine, 7, record(1, 2), None) == (None, set())
+    restarted = Asker("r", b, "i2", client=False)
+    assert closes_for(restarted, 7, record(1, 2), None)[0] == \
+        f"the round led by {leader} closed with an earlier process of this peer"
+
+
+def test_match_rule_leaders_outranking_and_the_lone_lead():
+    from dedloc.averaging.match_rules import Asker, declines_lone_lead, leaders, never_joined, outranked_by
+    from dedloc.records import ClosedRecord, Member
+
+    ready = {"p3": Member("p3", 8, 1.0), "p1": Member("p1", 8, 0.0, client=True), "p2": Member("p2", 8, 1.0),
+             "p0": Member("p0", 8, 1.0, private=True)}
+    assert leaders(ready) == ["p2", "p3"] and leaders(ready, {"p2"}) == ["p3"]  # no client, no NAT'd peer leads
+    # rule 9: between two groups of one, the smaller leader id wins; a larger group wins over one
+    (leader, a, b, me), record = _signed_group()
+    asker = Asker("r", me, "mine", client=False)
+    assert outranked_by(asker, 7, {leader: record()}) == (leader if leader < me else None)
+    assert outranked_by(asker, 7, {leader: record(1)}) == leader
+    assert outranked_by(asker, 7, {leader: record(listed=(3,))}) is None  # it lists this peer
+    assert outranked_by(asker, 7, {}) is None
+    assert isinstance(record(), ClosedRecord)
+    # rule 14: the only contributor declines once while others are at the step
+    me_m, agg = Member("me", 8, 1.0), Member("agg", 0, 1.0, fetch=False)
+    assert never_joined(ready, {"me": me_m}, {"p2"}) == {"p0", "p1", "p3"}
+    assert declines_lone_lead(me_m, {"me": me_m, "agg": agg}, True, False)  # an aggregator does not make two
+    assert not declines_lone_lead(me_m, {"me": me_m}, True, True)  # the second time it closes
+    assert not declines_lone_lead(me_m, {"me": me_m}, False, False)  # nobody else at the step
+    assert not declines_lone_lead(me_m, {"me": me_m, "p3": ready["p3"]}, True, False)  # two contributors
+    assert not declines_lone_lead(agg, {"agg": agg}, True, False)  # an aggregator-only lead is rule 4's

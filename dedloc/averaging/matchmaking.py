@@ -78,6 +78,7 @@ from typing import Any, Awaitable, Callable, NoReturn
 from hivemind.p2p import PeerID
 
 from dedloc.averaging.bounds import FOLLOWER_TOLERANCE, WeightBounds
+from dedloc.averaging import match_rules
 from dedloc.averaging.group import MAX_TIMEOUT, Group, Member, split_into_subgroups
 from dedloc.averaging.wire import VERSION
 from dedloc.config import AveragingConfig
@@ -361,42 +362,19 @@ class Matchmaker:
         """Leader -> members of every group that closes ``step`` (``_standing``)."""
         return {leader: list(r.members) for leader, r in (await self._standing(step))[0].items()}
 
-    def _size(self, step: int, record: ClosedRecord) -> int:
-        """How many contributing members provably joined ``record``'s group (``ClosedRecord.contributors``)."""
-        return record.contributors(self.node.config.run_id, step)
+    @property
+    def _asker(self) -> match_rules.Asker:
+        return match_rules.Asker(self.node.config.run_id, self.me, self.incarnation, self.client)
 
     def _closes_for_me(self, step: int, record: ClosedRecord, ready: dict[str, Member] | None) -> str | None:
-        """Why ``record`` closes ``step`` for this peer (None: it does not). Rule 13: a group closes the
-        step for the peers it left out only if two or more contributing members provably joined it
-        (their signed join proofs); a group of one contributor closes it only for a peer that, having
-        gathered the ready peers (``ready``; None: not yet, so not yet), sees none it could take the
-        step with (``_partners``). Otherwise one member storing a record of a group of one (itself)
-        for each step, and serving that step's update applied, would make every honest peer miss
-        the step and download its parameters."""
-        run = self.node.config.run_id
-        if self.me in record.members:  # (listed without this peer's proof: the leader's word, harmless here)
-            mine = record.proof(run, step, self.me)
-            if mine is not None and mine.incarnation != self.incarnation:
-                return f"the round led by {record.leader} closed with an earlier process of this peer"
-            return None
-        if self._size(step, record) >= 2:
-            return f"the round led by {record.leader} closed without this peer"
-        if ready is None:
-            return None
-        if partners := self._partners(step, record, ready):
+        """Why ``record`` closes ``step`` for this peer (match_rules.closes_for; None: it does not). A
+        group of one that it takes the step beside instead is named once a minute, at INFO."""
+        why, partners = match_rules.closes_for(self._asker, step, record, ready)
+        if partners:
             self._refusals.warn(record.leader, f"step {step}: {record.leader} closed the step in a group of one contributor "
                                 f"(no other contributing member's signed join in its record); {len(partners)} other peer(s) at the step: "
                                 f"taking it with them, not missing it", logging.INFO)
-            return None
-        return f"the round led by {record.leader} closed without this peer (a group of one, and no other peer is at the step)"
-
-    def _partners(self, step: int, record: ClosedRecord, ready: dict[str, Member]) -> set[str]:
-        """Ready peers outside ``record``'s proven group that contribute, with which this peer could
-        take ``step`` (one of them, or this peer, able to hand the step on: not a client)."""
-        out = {p for p, m in ready.items() if m.weight > 0} - record.signed(self.node.config.run_id, step) - {self.me}
-        if self.client and all(ready[p].client for p in out):
-            return set()  # clients only: they could take the step for themselves alone (rule 4)
-        return out
+        return why
 
     async def _why_missed(self, step: int, took: bool = False, ready: dict[str, Member] | None = None) -> str | None:
         """Why this peer cannot take ``step`` any more (rules 4 and 13; rule 10 too with ``took``), None
@@ -473,7 +451,7 @@ class Matchmaker:
         missed = await self._why_missed(step, ready=ready)
         if missed:
             self._missed(step, missed)
-        candidates = sorted(p for p, m in ready.items() if m.reachable)
+        candidates = match_rules.leaders(ready)
         if not candidates:
             raise MatchmakingError(f"step {step}: no reachable peer (neither in client mode nor behind NAT) is ready to lead")
         timeout = timeout or self.config.averaging_timeout
@@ -562,9 +540,7 @@ class Matchmaker:
                     f"step {step}: leading past the join deadline, and the step's ready records could not be read "
                     f"({type(e).__name__}); not taking the step alone"))
         unjoined = bool(set(ready) - self._unreachable.get(step, set()) - set(state.members))
-        lone = me.weight > 0 and sum(m.weight > 0 for m in state.members.values()) < 2
-        never_joined = {p for p, m in ready.items() if m.weight > 0 and p not in state.members
-                        and p not in self._unreachable.get(step, set())}
+        never_joined = match_rules.never_joined(ready, state.members, self._unreachable.get(step, set()))
         if alone and not unjoined and self.progress is not None:
             unjoined = await self._lone_lead_check(step, state)
         if unjoined:
@@ -575,13 +551,9 @@ class Matchmaker:
             await self._close_unless_taken(step, state, alone, ready)
         if not _holds_state(tuple(state.members.values())):
             await self._leave_to_trainers(step, state, alone)
-        if lone and (never_joined or unjoined) and step not in self._declined:
-            # Rule 14: ready peers that never joined, or trainers at the step by their progress records
-            # (their ready records may not have reached this peer: a frozen DHT node), would not follow
-            # a group of one (rule 13): taking the step would fork it (they take it again, ready a
-            # moment late or after waiting on a frozen leader). Once per step: the round fails here
-            # and this peer tries again with them; a peer that can never join (a NAT'd one whose
-            # joins fail) holds it back only once.
+        if match_rules.declines_lone_lead(me, state.members, bool(never_joined or unjoined), step in self._declined):
+            # (others at the step: ready peers that never joined, or trainers at it by their progress
+            # records, whose ready records may not have reached this peer through a frozen DHT node)
             self._declined.add(step)
             self._note(step, "declined", "not taking the step as its only contributor while other peers are ready "
                                          "for it or training at it; trying again with them")
@@ -699,8 +671,7 @@ class Matchmaker:
         except Exception as e:
             logger.debug(f"step {step}: could not read the closed records after closing: {e!r}")
             return
-        winner = next((leader for leader, r in sorted(closed.items()) if self.me not in r.members
-                       and (self._size(step, r) > 1 or leader < self.me)), None)
+        winner = match_rules.outranked_by(self._asker, step, closed)
         if winner is None:
             return
         logger.info(f"step {step}: {winner} closed the step at the same time as this peer's lead of one; "
