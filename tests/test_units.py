@@ -865,3 +865,20 @@ def test_match_rule_leaders_outranking_and_the_lone_lead():
     assert not declines_lone_lead(me_m, {"me": me_m}, False, False)  # nobody else at the step
     assert not declines_lone_lead(me_m, {"me": me_m, "p3": ready["p3"]}, True, False)  # two contributors
     assert not declines_lone_lead(agg, {"agg": agg}, True, False)  # an aggregator-only lead is rule 4's
+
+
+def test_a_cooldown_holds_for_its_seconds_then_is_forgotten():
+    from dedloc.net.cooldowns import Cooldowns
+
+    now = [100.0]
+    c = Cooldowns(clock=lambda: now[0])
+    c.start("p", 60.0)
+    assert c.active("p") and not c.active("q")
+    now[0] = 159.9
+    assert c.active("p")
+    now[0] = 160.0
+    assert not c.active("p") and not c._until  # forgotten once expired
+    c.start("a", 1.0)
+    now[0] = 200.0
+    c.start("b", 1.0)  # starting one prunes the expired
+    assert set(c._until) == {"b"}

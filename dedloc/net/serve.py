@@ -39,6 +39,7 @@ from dedloc.auth.limits import PeerLimits
 from dedloc.net.transport import PeerSilent, Refused, Transport, serve_stream
 from dedloc.net.messages import read_message, reply_last, write_message
 from dedloc.net.links import connections, relayed
+from dedloc.net.cooldowns import Cooldowns
 
 logger = logging.getLogger(__name__)
 STREAM_VERSION = 1
@@ -73,7 +74,7 @@ class Streams(Transport):
         self.p2p = p2p
         self.authorizer = authorizer or OpenRun()
         self.limits = PeerLimits(RATE_PER_PEER, BURST_PER_PEER, MAX_STREAMS_PER_PEER)
-        self._unpunched: dict[PeerID, float] = {}
+        self._unpunched = Cooldowns()
         self.warnings = PerPeerWarnings(logger)
 
     # ---- the opener's side ------------------------------------------------------------------------
@@ -115,16 +116,14 @@ class Streams(Transport):
         comes, the peer's streams go through the relay for ``UNPUNCHED_S`` seconds without waiting.
         Each outcome is logged at INFO."""
         loop = asyncio.get_running_loop()
-        if self._unpunched.get(peer_id, -1.0) >= loop.time() or not await self._relayed_only(peer_id):
+        if self._unpunched.active(peer_id) or not await self._relayed_only(peer_id):
             return
         started, still = loop.time(), True
         while still and loop.time() < started + PUNCH_WAIT:
             await asyncio.sleep(_POLL)  # the daemon has no event for a new connection
             still = await self._relayed_only(peer_id)
         if still:
-            self._unpunched[peer_id] = loop.time() + UNPUNCHED_S
-            for peer in [p for p, until in self._unpunched.items() if until < loop.time()]:
-                del self._unpunched[peer]
+            self._unpunched.start(peer_id, UNPUNCHED_S)
             logger.info(f"no direct path to {peer_id} after {PUNCH_WAIT:.0f} s of hole punching: its streams go "
                         f"through the relay")
         else:

@@ -67,6 +67,7 @@ from hivemind.p2p import PeerID
 from dedloc.errors import ProtocolError
 from dedloc.framing import framed
 from dedloc.logs import PerPeerWarnings
+from dedloc.net.cooldowns import Cooldowns
 from dedloc.net.direct_stream import DirectProtocol
 from dedloc.auth.identity import public_key_of
 from dedloc.auth.limits import PeerLimits
@@ -190,7 +191,7 @@ class DirectTCP:
         """Where others connect (None: this peer does not listen, e.g. in client mode)."""
         self._server: asyncio.Server | None = None
         self._tasks = Tasks("direct connections")
-        self._failed: dict[str, float] = {}
+        self._failed = Cooldowns()
         self._handlers: dict[str, Handler] = {}
         self._limits = PeerLimits(RATE_PER_PEER, BURST_PER_PEER, MAX_CONNECTIONS_PER_PEER)
         self._warnings = PerPeerWarnings(logger)
@@ -322,13 +323,7 @@ class DirectTCP:
     # ---- connecting ---------------------------------------------------------------------------------
     def usable(self, peer_id: str) -> bool:
         """False for a while after a direct connection to ``peer_id`` failed (libp2p is used then)."""
-        until = self._failed.get(peer_id)
-        if until is None:
-            return True
-        if time.monotonic() >= until:
-            del self._failed[peer_id]
-            return True
-        return False
+        return not self._failed.active(peer_id)
 
     async def open(self, peer_id: str, protocol: str, endpoint: Endpoint, round_id: bytes, key: bytes,
                    require_encryption: bool) -> StreamPair:
@@ -375,7 +370,7 @@ class DirectTCP:
     def avoid(self, peer_id: str, why: str) -> None:
         """Use libp2p streams to ``peer_id`` for ``RETRY_AFTER_S`` (``usable`` is False until then);
         logged at INFO, once per peer and minute."""
-        self._failed[peer_id] = time.monotonic() + RETRY_AFTER_S
+        self._failed.start(peer_id, RETRY_AFTER_S)
         self._warnings.warn(f"{peer_id} open", f"direct connection to {peer_id} failed ({why}); using libp2p "
                                                f"streams to it for {RETRY_AFTER_S:.0f} s", level=logging.INFO)
 
