@@ -1,6 +1,5 @@
 """Every error dedloc raises on purpose. Each names the peer, the step and the cause where known."""
 
-
 from __future__ import annotations
 
 _REGISTRY: dict[str, type[DedlocError]] = {}
