@@ -455,6 +455,9 @@ class ClosedRecord:
     proofs: tuple[tuple[str, JoinProof], ...] = ()
     """``(member, its proof of joining)`` for the members other than the leader (``join_statement``);
     a member listed without a valid one did not join as far as a reader can tell."""
+    leader_contributes: bool = True
+    """Whether the leader brought samples (False: an aggregator-only leader, whose group of one
+    trainer is a group of one contributor). Absent on the wire: True."""
 
     def to_wire(self) -> Any:
         if self.members is None:
@@ -464,6 +467,8 @@ class ClosedRecord:
             out["until"] = self.until
         if self.proofs:
             out["sigs"] = {m: p.to_wire() for m, p in self.proofs}
+        if not self.leader_contributes:
+            out["c"] = False
         return out
 
     def proof(self, run_id: str, step: int, member: str) -> JoinProof | None:
@@ -480,17 +485,19 @@ class ClosedRecord:
         return frozenset([self.leader, *(m for m, p in self.proofs if m in listed and p.holds(run_id, step, self.leader, m))])
 
     def contributors(self, run_id: str, step: int) -> int:
-        """How many of ``signed`` contributed samples (the leader counts as one: it closes its own
-        group). A group of one trainer and aggregator-only peers is a group of one here."""
+        """How many of ``signed`` contributed samples (the leader by its own word: the record is its
+        own). A group of one trainer and aggregator-only peers is a group of one here, whoever leads it."""
         proven = self.signed(run_id, step)
-        return 1 + sum(1 for m, p in self.proofs if m in proven and m != self.leader and p.contributes)
+        return int(self.leader_contributes) + sum(1 for m, p in self.proofs
+                                                  if m in proven and m != self.leader and p.contributes)
 
     @classmethod
     def from_wire(cls, leader: str, obj: Any) -> "ClosedRecord | None":
         if isinstance(obj, dict) and obj.get("failed") is True:
             return cls(leader, None)
-        until, proofs = None, ()
+        until, proofs, contributes = None, (), True
         if isinstance(obj, dict):
+            contributes = obj.get("c", True) is not False
             if isinstance(obj.get("until"), (int, float)) and not isinstance(obj["until"], bool) \
                     and math.isfinite(obj["until"]):
                 until = float(obj["until"])
@@ -502,7 +509,7 @@ class ClosedRecord:
             obj = obj.get("members")
         if isinstance(obj, list) and len(obj) <= MAX_MEMBERS and all(isinstance(m, str) for m in obj) \
                 and leader in obj:
-            return cls(leader, tuple(obj), until, proofs)
+            return cls(leader, tuple(obj), until, proofs, contributes)
         # (a leader is a member of the group it closes: a member's record closing an empty group made
         # every peer miss the step)
         logger.debug(f"ignoring malformed closed record of {leader}")

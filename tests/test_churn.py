@@ -1295,6 +1295,36 @@ def test_a_follower_whose_matchmaking_ended_without_a_group_sends_no_joiner_on_t
     asyncio.run(main())
 
 
+def test_an_aggregator_leading_one_trainer_beside_trainers_still_in_the_last_round_declines_the_step(tmp_path):
+    """The delayed soak's fork at step 652: an aggregator-only leader (the smallest id) and one
+    trainer took the step while the other trainers, at it by their progress records, were still in
+    the round of 651 and not ready yet; they missed it (its record counted the aggregator as a
+    contributor) and the run forked. Now such a group of one contributor declines the step (rule 14),
+    and so does the trainer leading alone: nobody takes it, no record closes it."""
+    avg = AveragingConfig(matchmaking_time=2, averaging_timeout=20, probe_interval=0)
+    keys = ordered_identities(tmp_path, 3)
+    rid = run_id()
+    aggregator = Peer(PeerConfig(run_id=rid, identity_path=str(keys[0])),
+                      AveragingConfig(matchmaking_time=2, averaging_timeout=20, probe_interval=0, aggregator_only=True))
+    boot = tuple(aggregator.maddrs)
+    trainer, busy = (Peer(PeerConfig(run_id=rid, initial_peers=boot, identity_path=str(k)), avg) for k in keys[1:])
+    try:
+        busy.publish_progress(3, 40, 10.0)  # at step 3, still in the round of step 2: not ready
+        wait_for("the busy trainer's progress record", lambda: any(
+            r.peer_id == busy.peer_id for r in trainer.collaboration().trainers_at(3)), 20)
+        with cf.ThreadPoolExecutor(2) as pool:
+            agg = pool.submit(aggregator.average, torch.zeros(64), step=3, weight=0.0, expected_peers=2)
+            mine = pool.submit(trainer.average, torch.ones(64), step=3, weight=8.0, expected_peers=2)
+            with pytest.raises(MatchmakingError):  # before: a group of the aggregator and this trainer
+                mine.result(60)
+            with pytest.raises(MatchmakingError, match="group of one contributor"):
+                agg.result(60)
+        assert trainer.closed_round(3) == {}
+    finally:
+        for p in (trainer, busy, aggregator):
+            p.close()
+
+
 def test_a_leader_starts_its_round_while_its_closed_record_is_still_being_stored(tmp_path):
     """The soaks' longest stalls (sync, step 177: 23.6 s; delayed, step 76: 32.9 s): a leader answered
     its joiners, then stored its closed record before starting its own round. The store reached a

@@ -860,11 +860,32 @@ def test_match_rule_leaders_outranking_and_the_lone_lead():
     # rule 14: the only contributor declines once while others are at the step
     me_m, agg = Member("me", 8, 1.0), Member("agg", 0, 1.0, fetch=False)
     assert never_joined(ready, {"me": me_m}, {"p2"}) == {"p0", "p1", "p3"}
-    assert declines_lone_lead(me_m, {"me": me_m, "agg": agg}, True, False)  # an aggregator does not make two
-    assert not declines_lone_lead(me_m, {"me": me_m}, True, True)  # the second time it closes
-    assert not declines_lone_lead(me_m, {"me": me_m}, False, False)  # nobody else at the step
-    assert not declines_lone_lead(me_m, {"me": me_m, "p3": ready["p3"]}, True, False)  # two contributors
-    assert not declines_lone_lead(agg, {"agg": agg}, True, False)  # an aggregator-only lead is rule 4's
+    assert declines_lone_lead({"me": me_m, "agg": agg}, True, False)  # an aggregator does not make two
+    assert declines_lone_lead({"agg": agg, "me": me_m}, True, False)  # whoever leads (an aggregator-only leader)
+    assert not declines_lone_lead({"me": me_m}, True, True)  # the second time it closes
+    assert not declines_lone_lead({"me": me_m}, False, False)  # nobody else at the step
+    assert not declines_lone_lead({"me": me_m, "p3": ready["p3"]}, True, False)  # two contributors
+    assert not declines_lone_lead({"agg": agg}, True, False)  # no contributor: rule 4's
+
+
+def test_an_aggregator_led_group_of_one_trainer_closes_the_step_for_nobody_else():
+    """The delayed soak's fork at step 652: an aggregator-only leader's closed record of itself and one
+    trainer counted its leader as a contributor (a group of two), so it closed the step for the seven
+    trainers still in the round of 651; they missed it, the trainer went on alone. A record now says
+    whether its leader brought samples, and such a group is a group of one contributor."""
+    from dedloc.averaging.match_rules import Asker, closes_for
+    from dedloc.records import ClosedRecord
+
+    (leader, a, b, me), record = _signed_group()
+    led_by_aggregator = record(1)
+    assert led_by_aggregator.contributors("r", 7) == 2
+    led_by_aggregator = ClosedRecord(leader, led_by_aggregator.members, 5.0, led_by_aggregator.proofs,
+                                     leader_contributes=False)
+    back = ClosedRecord.from_wire(leader, led_by_aggregator.to_wire())
+    assert back == led_by_aggregator and back.contributors("r", 7) == 1
+    assert ClosedRecord.from_wire(leader, record(1).to_wire()).leader_contributes  # absent: the leader contributes
+    asker = Asker("r", me, "mine", client=False)
+    assert closes_for(asker, 7, back, _ready((me, 8, False), (b, 8, False))) == (None, {b})
 
 
 def test_a_cooldown_holds_for_its_seconds_then_is_forgotten():

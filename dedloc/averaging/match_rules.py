@@ -79,13 +79,19 @@ def never_joined(ready: dict[str, Member], members: dict[str, Member], passed_ov
     return {p for p, m in ready.items() if m.weight > 0 and p not in members and p not in passed_over}
 
 
-def declines_lone_lead(me: Member, members: dict[str, Member], others_at_step: bool, declined_before: bool) -> bool:
-    """Rule 14: a lead whose only contributor is this peer declines the step the first time, while
-    other contributing peers are ready for it or training at it (``others_at_step``): they would not
-    follow a group of one (rule 13), and taking it would fork the step. The second time it closes
-    (a peer that can never join, e.g. a NAT'd one whose joins fail, holds it back only once)."""
-    lone = me.weight > 0 and sum(m.weight > 0 for m in members.values()) < 2
-    return lone and others_at_step and not declined_before
+def one_contributor(members: dict[str, Member]) -> bool:
+    """Whether exactly one member of a group brings samples (the others, if any, aggregate only)."""
+    return sum(m.weight > 0 for m in members.values()) == 1
 
 
-__all__ = ["Asker", "leaders", "partners", "closes_for", "outranked_by", "never_joined", "declines_lone_lead"]
+def declines_lone_lead(members: dict[str, Member], others_at_step: bool, declined_before: bool) -> bool:
+    """Rule 14: a lead whose group has one contributor (the leader, or a trainer that joined an
+    aggregator-only leader) declines the step the first time, while other contributing peers are
+    ready for it or training at it (``others_at_step``): they would not follow a group of one (rule
+    13), and taking it would fork the step. The second time it closes (a peer that can never join,
+    e.g. a NAT'd one whose joins fail, holds it back only once)."""
+    return one_contributor(members) and others_at_step and not declined_before
+
+
+__all__ = ["Asker", "leaders", "partners", "closes_for", "outranked_by", "never_joined", "one_contributor",
+           "declines_lone_lead"]

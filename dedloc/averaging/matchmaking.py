@@ -54,10 +54,11 @@ Protocol (docs/averaging.md has the reasoning and the soak findings; the rule nu
    them instead). A ``missed`` answer carries the group's record; a follower that finds no group
    that closed the step for it (in the answer, or in the records) passes the leader over (rule 4),
    and one that finds its own proof of this process in it knows the leader lies.
-14. A lead of one contributor that ready peers never joined, or beside trainers at the step by
-   their progress records, does not take the step the first time (they would not follow it: rule
-   13): its round fails here and it tries again with them. The second time it leads the step, it
-   closes as before (a peer that can never join holds it back only once).
+14. A lead of one contributor (the leader, or one trainer that joined an aggregator-only leader,
+   whose record says it brought no samples) that ready peers never joined, or beside trainers at
+   the step by their progress records, does not take the step the first time (they would not
+   follow it: rule 13): its round fails here and it tries again with them. The second time it
+   leads the step, it closes as before (a peer that can never join holds it back only once).
 
 Guarantees: a peer is in at most one group per step (it sends at most one join whose outcome
 is unknown, and a leader's group is final once sent); every call returns or raises within
@@ -551,15 +552,18 @@ class Matchmaker:
             await self._close_unless_taken(step, state, alone, ready)
         if not _holds_state(tuple(state.members.values())):
             await self._leave_to_trainers(step, state, alone)
-        if match_rules.declines_lone_lead(me, state.members, bool(never_joined or unjoined), step in self._declined):
+        others = bool(never_joined or unjoined)
+        if not others and not alone and step not in self._declined and match_rules.one_contributor(state.members):
+            others = await self._trainers_beside(step, state)
+        if match_rules.declines_lone_lead(state.members, others, step in self._declined):
             # (others at the step: ready peers that never joined, or trainers at it by their progress
             # records, whose ready records may not have reached this peer through a frozen DHT node)
             self._declined.add(step)
-            self._note(step, "declined", "not taking the step as its only contributor while other peers are ready "
+            self._note(step, "declined", "not taking the step with one contributor while other peers are ready "
                                          "for it or training at it; trying again with them")
             self._end_lead(step, state, MatchmakingError(
-                f"step {step}: not taken as this peer's alone: other peers are ready for it or training at it, and they "
-                f"would not follow a group of one"))
+                f"step {step}: not taken by a group of one contributor: other peers are ready for it or training at "
+                f"it, and they would not follow it"), held=False)
         members = tuple(sorted(state.members.values(), key=lambda m: m.peer_id))
         subgroups = split_into_subgroups(members, self.config.max_group_size)
         if self.policy is not None and self.config.strategy == "partitioned":
@@ -576,7 +580,7 @@ class Matchmaker:
         if state.held:
             state.record = ClosedRecord(self.me, tuple(m.peer_id for m in members), until,
                                         tuple((m.peer_id, state.proofs[m.peer_id]) for m in members
-                                              if m.peer_id in state.proofs))
+                                              if m.peer_id in state.proofs), me.weight > 0)
         state.done.set()  # answer the joiners first: the record below can wait on a slow DHT
         if state.record is not None:
             stored = self._store_closed(step, state.record)
@@ -611,6 +615,15 @@ class Matchmaker:
                 f"step {step}: no ready peer seen, and the progress records could not be read; not taking the "
                 f"step alone"))
         return any(r.peer_id != self.me for r in view.trainers_at(step))
+
+    async def _trainers_beside(self, step: int, state: _Lead) -> bool:
+        """Rule 14 for a group of one contributor with aggregator-only members (its joiners wait: the
+        look is bounded by a quarter of ``matchmaking_time``): whether the progress records show a
+        training peer outside the group at ``step`` (False if they cannot be read): trainers at the
+        step still in the round of the step before (delayed updates) are not ready yet, and would
+        miss a step such a group took."""
+        view = await self._view(self.config.matchmaking_time / 4)
+        return view is not None and any(r.peer_id not in state.members for r in view.trainers_at(step))
 
     async def _leave_to_trainers(self, step: int, state: _Lead, alone: bool) -> None:
         """Rule 4 for a lead whose group could hand no state on (clients and aggregator-only peers):
