@@ -397,7 +397,7 @@ def test_a_step_most_peers_already_took_is_missed_even_after_its_closed_records_
             late.average(torch.ones(4), step=5, weight=1.0, expected_peers=1)
         publish(a, 5)
         publish(b, 22)
-        with pytest.raises(MatchmakingError, match="not taken as this peer's alone"):  # a trainer at the step: rule 14
+        with pytest.raises(MatchmakingError, match="not taken by a group of one contributor"):  # a trainer at the step: rule 14
             late.average(torch.ones(4), step=5, weight=1.0, expected_peers=1)
         stats = late.average(torch.ones(4), step=5, weight=1.0, expected_peers=1)
         assert stats.group_size == 1
@@ -472,7 +472,7 @@ def test_a_closed_record_outliving_its_failed_round_closes_nothing():
             member.report(ProgressRecord(member.peer_id, 0, 0, 1.0, Role.TRAINER, time=time.time(),
                                          fingerprint="0:" + "ab" * 8))
             assert late.closed_round(0) == {}
-            with pytest.raises(MatchmakingError, match="not taken as this peer's alone"):  # the member is at step 0
+            with pytest.raises(MatchmakingError, match="not taken by a group of one contributor"):  # the member is at step 0
                 late.average(torch.ones(4), step=0, weight=1.0, expected_peers=1)
             assert late.average(torch.ones(4), step=0, weight=1.0, expected_peers=1).group_size == 1
             # step 1's round succeeded for its member (it holds the update of step 1): the step stays closed
@@ -585,7 +585,7 @@ def test_a_round_of_clients_and_aggregators_alone_does_not_close_the_step(make_p
         stats = [r.result(60) for r in runs]
     assert sorted(stats[0].peers) == sorted([client.peer_id, aggregator.peer_id])
     # their ready records are still up, and they never joined: the trainer declines once (rule 14)
-    with pytest.raises(MatchmakingError, match="not taken as this peer's alone"):
+    with pytest.raises(MatchmakingError, match="not taken by a group of one contributor"):
         trainer.average(torch.full((4,), 3.0), step=0, weight=8.0, expected_peers=1)
     late = trainer.average(torch.full((4,), 3.0), step=0, weight=8.0, expected_peers=1)
     assert late.peers == (trainer.peer_id,)
@@ -1016,7 +1016,7 @@ def test_a_lead_that_ready_peers_never_joined_does_not_take_a_step_another_group
     try:
         with bare_node(PeerConfig(run_id=rid, initial_peers=tuple(peer.maddrs), identity_path=str(closer)), publish):
             if lands != "while it leads":  # rule 14: a lead of one that a ready peer never joined declines once
-                with pytest.raises(MatchmakingError, match="not taken as this peer's alone"):
+                with pytest.raises(MatchmakingError, match="not taken by a group of one contributor"):
                     late.average(torch.ones(4), step=0, weight=8.0, expected_peers=2)
             with pytest.raises(MissedRoundError, match="closed without this peer"):
                 late.average(torch.ones(4), step=0, weight=8.0, expected_peers=2)
