@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dedloc.records import ClosedRecord, Member
+from dedloc.records import ClosedRecord, CollaborationView, Member
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,12 @@ def never_joined(ready: dict[str, Member], members: dict[str, Member], passed_ov
     return {p for p, m in ready.items() if m.weight > 0 and p not in members and p not in passed_over}
 
 
+def trainers_outside(view: CollaborationView, step: int, members: dict[str, Member]) -> bool:
+    """Whether the progress records show a training peer at ``step`` (accumulating for it, not
+    resyncing) that is not in the group ``members``: it would not follow a group of one (rule 14)."""
+    return any(r.peer_id not in members for r in view.trainers_at(step))
+
+
 def one_contributor(members: dict[str, Member]) -> bool:
     """Whether exactly one member of a group brings samples (the others, if any, aggregate only)."""
     return sum(m.weight > 0 for m in members.values()) == 1
@@ -93,5 +99,5 @@ def declines_lone_lead(members: dict[str, Member], others_at_step: bool, decline
     return one_contributor(members) and others_at_step and not declined_before
 
 
-__all__ = ["Asker", "leaders", "partners", "closes_for", "outranked_by", "never_joined", "one_contributor",
+__all__ = ["Asker", "leaders", "partners", "closes_for", "outranked_by", "never_joined", "trainers_outside", "one_contributor",
            "declines_lone_lead"]

@@ -614,7 +614,7 @@ class Matchmaker:
             self._end_lead(step, state, _missed_error(step, TOOK) if view is not None else MatchmakingError(
                 f"step {step}: no ready peer seen, and the progress records could not be read; not taking the "
                 f"step alone"))
-        return any(r.peer_id != self.me for r in view.trainers_at(step))
+        return match_rules.trainers_outside(view, step, state.members)
 
     async def _trainers_beside(self, step: int, state: _Lead) -> bool:
         """Rule 14 for a group of one contributor with aggregator-only members (its joiners wait: the
@@ -623,7 +623,7 @@ class Matchmaker:
         step still in the round of the step before (delayed updates) are not ready yet, and would
         miss a step such a group took."""
         view = await self._view(self.config.matchmaking_time / 4)
-        return view is not None and any(r.peer_id not in state.members for r in view.trainers_at(step))
+        return view is not None and match_rules.trainers_outside(view, step, state.members)
 
     async def _leave_to_trainers(self, step: int, state: _Lead, alone: bool) -> None:
         """Rule 4 for a lead whose group could hand no state on (clients and aggregator-only peers):
