@@ -26,6 +26,7 @@ from dedloc.averaging.outcome import RoundOutcome
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.errors import AveragingError, BootstrapError
 from dedloc.net.runtime import Runtime, SharedBuffer
+from dedloc.optim.port import PeerPort
 from dedloc.peer_api import PeerAPI
 from dedloc.records import CollaborationView, ProgressRecord, Role
 
@@ -34,7 +35,7 @@ JOIN_RETRY_S = 5.0
 """Seconds between tries to join while none of the initial peers answers."""
 
 
-class Peer:
+class Peer(PeerPort):
     """One member of a collaboration, running its networking in a background process."""
 
     def __init__(self, config: PeerConfig | None = None, averaging: AveragingConfig | None = None):

@@ -43,13 +43,16 @@ class Role(str, enum.Enum):
 
     @property
     def trains(self) -> bool:
-        return self in (Role.TRAINER, Role.CLIENT)
+        return self in _TRAINS
 
     @property
     def serves(self) -> bool:
         """Whether peers can download this peer's state: clients accept no streams; aggregator-only
         peers hold none."""
         return self in (Role.TRAINER, Role.BACKBONE)
+
+
+_TRAINS = frozenset({Role.TRAINER, Role.CLIENT})
 
 
 @dataclass(frozen=True)
@@ -194,8 +197,12 @@ class CollaborationView:
 
     def trainers_at(self, step: int) -> tuple[ProgressRecord, ...]:
         """Training peers (trainers and clients) accumulating for ``step``: not those resyncing, which
-        may publish ``step`` for minutes while they wait for a later state."""
-        return tuple(r for r in self.peers if r.step == step and r.role.trains and not r.syncing)
+        may publish ``step`` for minutes while they wait for a later state. (Computed once per view
+        and step: every rule at a step boundary asks, and a view can hold a thousand records.)"""
+        memo = self.__dict__.setdefault("_trainers_at", {})
+        if step not in memo:
+            memo[step] = tuple(r for r in self.peers if r.step == step and r.role in _TRAINS and not r.syncing)
+        return memo[step]
 
     def expected_at(self, step: int, me: str, last_round: tuple[str, ...] = ()) -> int:
         """How many training peers a round of ``step`` waits for: this one, those accumulating for
@@ -215,7 +222,10 @@ class CollaborationView:
         return tuple(r for r in self.peers if r.role == Role.AGGREGATOR)
 
     def samples_at(self, step: int) -> int:
-        return sum(r.samples for r in self.trainers_at(step))
+        memo = self.__dict__.setdefault("_samples_at", {})
+        if step not in memo:
+            memo[step] = sum(r.samples for r in self.trainers_at(step))
+        return memo[step]
 
     def took(self, step: int, exclude: str = "") -> bool:
         """Whether most training peers (less ``exclude``, and those resyncing) whose fingerprint

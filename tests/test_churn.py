@@ -11,10 +11,12 @@ import time
 import pytest
 import torch
 
+from dedloc.averaging.join_answer import JoinAnswer
 from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
 from dedloc.errors import ForkError, LeftToTrainersError, MatchmakingError, MissedRoundError, StateError
 from dedloc.auth.identity import create_identity, load_identity, peer_id_of
 from dedloc.optim import CollaborativeOptimizer
+from dedloc.optim import step_rules
 from dedloc.optim.optimizer import StepOutcome
 from dedloc.peer import Peer
 from dedloc.records import ProgressRecord, Role
@@ -239,15 +241,15 @@ def test_a_step_lost_by_every_member_is_skipped_by_all():
                 model.weight.copy_(0.01 * torch.randn(4096, 2048, generator=torch.Generator().manual_seed(0)))
             copt = CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), peers[i], cfg, model=model)
             gen = torch.Generator().manual_seed(i)
-            prints = {copt.applied_step: copt._fingerprint}
+            prints = {copt.applied_step: copt.local.fingerprint}
             while copt.global_step < 6:
                 model(torch.randn(8, 2048, generator=gen)).pow(2).mean().backward()
                 copt.step(8)
-                prints.setdefault(copt.applied_step, copt._fingerprint)
+                prints.setdefault(copt.applied_step, copt.local.fingerprint)
             copt.offer_state()  # a survivor behind may still need this state: serve it until both are done
             done.wait()
             copt.close()
-            prints[copt.applied_step] = copt._fingerprint
+            prints[copt.applied_step] = copt.local.fingerprint
             results[i] = {"prints": prints, "skipped": copt.skipped_steps,
                           "history": [(r.step, r.skipped) for r in copt.history]}
         except Exception as e:  # the victim's thread ends here once its runtime is killed
@@ -618,7 +620,7 @@ def test_a_round_of_clients_and_aggregators_is_left_to_a_trainer_at_the_step(mak
 
 def catching_up_on_step_0(peer: Peer, state_timeout: float) -> tuple[CollaborativeOptimizer, cf.Future]:
     """A delayed-updates optimizer whose round 0 failed in the background: at global step 1 with 8
-    samples accumulated for it, and a failed catch-up download to hand to ``_CatchUp``."""
+    samples accumulated for it, and a failed catch-up download to hand to ``CatchUp``."""
     model = make_model()
     opt, sched = make_opt(model)
     copt = CollaborativeOptimizer(opt, peer, OptimizerConfig(target_batch_size=10_000, delay_updates=True,
@@ -639,7 +641,7 @@ def test_a_missed_step_whose_only_holder_vanished_is_skipped_not_awaited():
     the backbone's checkpoint (a 258 s stall in the soak). Now a catch-up retries while a holder is
     alive and skips the step, gradients kept, once none is."""
 
-    from dedloc.optim.optimizer import _CatchUp
+    from dedloc.optim.state_sync import CatchUp
 
     rid = run_id()
     peer = Peer(PeerConfig(run_id=rid), AVG)
@@ -655,7 +657,7 @@ def test_a_missed_step_whose_only_holder_vanished_is_skipped_not_awaited():
             while not any(r.peer_id == gone for r in peer.collaboration().peers):
                 assert time.monotonic() < deadline, "the holder's record never showed"
                 time.sleep(0.1)
-            copt._catchup = _CatchUp(1, failed, time.monotonic() - 100)
+            copt._catchup = CatchUp(1, failed, time.monotonic() - 100)
             assert copt._land_catchup(wait=False), "gradients dropped while a peer held the step"
             assert copt._catchup is not None and copt.skipped_steps == 0, "it did not keep asking the holder"
         deadline = time.monotonic() + 30
@@ -683,7 +685,7 @@ def test_a_lost_step_is_skipped_only_once_no_round_may_finish_and_the_view_is_fr
     3. With both, the step is skipped."""
 
     from dedloc.averaging.matchmaking import CLOSED_GRACE
-    from dedloc.optim.optimizer import _CatchUp
+    from dedloc.optim.state_sync import CatchUp
     from dedloc.records import ClosedRecord
 
     rid = run_id()
@@ -717,14 +719,14 @@ def test_a_lost_step_is_skipped_only_once_no_round_may_finish_and_the_view_is_fr
             assert peer.round_deadline(0) == pytest.approx(until + CLOSED_GRACE)
             # 1: news (the leader's record is new to this catch-up), and it waited past its own round
             # length (2 * 2 + 20 + 10 s) already: only the leader's deadline holds it
-            copt._catchup = _CatchUp(1, failed, time.monotonic() - 40)
+            copt._catchup = CatchUp(1, failed, time.monotonic() - 40)
             assert copt._land_catchup(wait=False), "gradients dropped"
             assert copt.skipped_steps == 0 and copt._catchup is not None, \
                 "it skipped the step while a round that closed it could still finish"
             while time.time() < until + CLOSED_GRACE:  # the round's deadline passes
                 time.sleep(0.1)
             # 2: the same view as when the catch-up started: no news from anyone
-            copt._catchup = _CatchUp(1, failed, time.monotonic() - 40, {other: published[0]})
+            copt._catchup = CatchUp(1, failed, time.monotonic() - 40, {other: published[0]})
             assert copt._land_catchup(wait=False), "gradients dropped"
             assert copt.skipped_steps == 0 and copt._catchup is not None, \
                 "it skipped the step on a view that brought no news since the catch-up started"
@@ -737,6 +739,12 @@ def test_a_lost_step_is_skipped_only_once_no_round_may_finish_and_the_view_is_fr
         peer.close()
 
 
+def held_back(copt: CollaborativeOptimizer) -> bool:
+    """Whether the step rule "held back alone" holds ``copt``'s round back now."""
+    return step_rules.held_back_alone(copt.peer.collaboration(), copt.peer.peer_id, copt.global_step,
+                                      copt.peer.role == Role.CLIENT, copt._catchup is not None) is not None
+
+
 @contextlib.contextmanager
 def held_back_while_catching_up_on_step_1(peer: Peer, setup, event: str, why: str):
     """A delayed-updates optimizer on ``peer``, with a bare node run by ``setup`` (conftest's
@@ -744,7 +752,7 @@ def held_back_while_catching_up_on_step_1(peer: Peer, setup, event: str, why: st
     while it catches up on step 1 (its round of step 1 failed or was missed; the download is under
     way), and must keep 3 micro-batches without starting step 2's round, having logged ``event``
     (else: ``why``). Yields the optimizer."""
-    from dedloc.optim.optimizer import _CatchUp
+    from dedloc.optim.state_sync import CatchUp
 
     model = make_model()
     opt, sched = make_opt(model)
@@ -755,8 +763,8 @@ def held_back_while_catching_up_on_step_1(peer: Peer, setup, event: str, why: st
         while not any(r.peer_id == other for r in peer.collaboration().peers):
             assert time.monotonic() < deadline, "the other trainer's record never showed"
             time.sleep(0.1)
-        copt.global_step, copt.applied_step = 2, 1
-        copt._catchup = _CatchUp(2, cf.Future(), time.monotonic())
+        copt.global_step, copt.local.applied_step = 2, 1
+        copt._catchup = CatchUp(2, cf.Future(), time.monotonic())
         for _ in range(3):
             model[0].weight.sum().backward()
             assert copt.step(8) == StepOutcome.ACCUMULATED and copt._inflight is None, why
@@ -793,7 +801,7 @@ def test_a_peer_still_catching_up_does_not_take_the_next_step_alone():
         with held_back_while_catching_up_on_step_1(peer, other, "held back", "it took the step alone") as copt:
             moved.set()
             deadline = time.monotonic() + 20
-            while copt._held_back_alone(peer.collaboration()):
+            while held_back(copt):
                 assert time.monotonic() < deadline, "it kept holding once the other trainer reached its step"
                 time.sleep(0.1)
     finally:
@@ -834,10 +842,10 @@ def test_a_peer_that_missed_a_round_waits_for_its_members_before_the_next_step(r
     try:
         with held_back_while_catching_up_on_step_1(peer, member, "missed round runs", "it took step 2 while the "
                                                    "others were still in the round of step 1") as copt:
-            assert not copt._held_back_alone(peer.collaboration()), "held back by the other rule, not this one"
+            assert not held_back(copt), "held back by the other rule, not this one"
             released.set()
             deadline = time.monotonic() + 20
-            while copt._waits_for_missed_round(peer.collaboration()):
+            while copt.sync.waits_for_missed_round(peer.collaboration(), copt._catchup, copt.global_step):
                 assert time.monotonic() < deadline, f"it kept waiting once a member's round was over ({release})"
                 time.sleep(0.1)
     finally:
@@ -1287,7 +1295,7 @@ def test_a_follower_whose_matchmaking_ended_without_a_group_sends_no_joiner_on_t
                        "j": JoinProof(asker.incarnation, ask.sign(statement), True).to_wire()}
             asker._newest = 3
             answer = await asker._ask(3, fid, request, asyncio.get_running_loop().time() + 10)
-            assert answer == {"missed": True, "held": False, "failed": True}, answer  # before: {"redirect": leader}
+            assert answer == JoinAnswer.round_failed(), answer  # before: redirected to the leader
         finally:
             for n in (ask, follow, lead):
                 await n.shutdown()

@@ -47,9 +47,9 @@ class Usurper(threading.Thread):
             with torch.no_grad():
                 for p in model.parameters():
                     p.fill_(EVIL)
-            copt.global_step = copt.applied_step = self.step = copt.global_step + self.ahead
-            copt._fingerprint = copt._hash()
-            copt._lineage = lineage.extend({}, copt._fingerprint)
+            copt.global_step = copt.local.applied_step = self.step = copt.global_step + self.ahead
+            copt.local.fingerprint = copt.local.hash()
+            copt.local.lineage = lineage.extend({}, copt.local.fingerprint)
             if self.role is not None:
                 record = copt._record
                 copt._record = lambda busy: dataclasses.replace(record(busy), role=self.role)

@@ -97,6 +97,18 @@ class Trainer(threading.Thread):
             self.error = e
 
 
+def together(n):
+    """A Trainer gate: the first micro-batch of each of ``n`` trainers waits until all have joined,
+    so no round closes before the others published their records (thread start-up order)."""
+    barrier, passed = threading.Barrier(n), set()
+
+    def gate(copt):
+        if id(copt) not in passed:
+            passed.add(id(copt))
+            barrier.wait(30)
+    return gate
+
+
 def join_all(trainers, timeout=200):
     """Wait for trainer threads; fail if any of them hung or raised."""
     for t in trainers:
@@ -240,9 +252,10 @@ def test_a_killed_peer_does_not_stall_the_others():
 
     cfg = OptimizerConfig(target_batch_size=64)
     try:
-        trainers = [Trainer(0, peers[0], cfg, micro=5, delay=0.01, steps=steps, on_step=kill_at_three),
-                    Trainer(1, peers[1], cfg, micro=8, delay=0.01, steps=steps),
-                    Trainer(2, peers[2], cfg, micro=6, delay=0.01, steps=steps)]
+        gate = together(3)  # all three are at step 0 before any round (threads start in any order)
+        trainers = [Trainer(0, peers[0], cfg, micro=5, delay=0.01, steps=steps, on_step=kill_at_three, gate=gate),
+                    Trainer(1, peers[1], cfg, micro=8, delay=0.01, steps=steps, gate=gate),
+                    Trainer(2, peers[2], cfg, micro=6, delay=0.01, steps=steps, gate=gate)]
         for t in trainers:
             t.start()
         join_all([trainers[0], trainers[2]])

@@ -9,6 +9,7 @@ import torch
 
 from dedloc.averaging.accumulator import PartAccumulator
 from dedloc.averaging.group import Group, Member, split_into_subgroups
+from dedloc.averaging.join_answer import Answer, JoinAnswer
 from dedloc.averaging.ring import ring_order
 from dedloc.averaging.wire import (HEADER, VERSION, Kind, pack_header, read_header, read_payload_into,
                                    unpack_header)
@@ -790,6 +791,34 @@ def test_step_rule_others_in_missed_round(records, catchup_step, waited, expect)
                                   _windows()) is expect
 
 
+@pytest.mark.parametrize("others, target, facts, expect", [
+    ([_rec("t", 7), _rec("u", 7)], 8, {}, ("resync", "ahead")),  # the run is two steps past this peer
+    ([_rec("bb", 6, Role.BACKBONE)], 8, {}, ("resync", "checkpointed")),
+    ([_rec("t", 5)], 8, {"disagreement": "a fork"}, ("resync", "disagrees")),
+    ([_rec("t", 4)], 64, {}, ("accumulate", "below target")),  # 8 of 64 samples: compute on
+    ([_rec("t", 6), _rec("u", 6)], 64, {}, ("round", "due")),  # below target, but the run took the step: join
+    ([_rec("t", 4)], 8, {"client": True}, ("hold", "held back alone")),
+    ([_rec("t", 5)], 8, {"missed": True}, ("hold", "missed round")),
+    ([_rec("t", 5)], 16, {}, ("round", "due")),
+])
+def test_step_rule_at_the_step_boundary(others, target, facts, expect):
+    from dedloc.optim.step_rules import at_boundary
+
+    asked = []
+
+    def missed() -> bool:
+        asked.append(True)
+        return facts.get("missed", False)
+
+    role = Role.CLIENT if facts.get("client") else Role.TRAINER
+    decision = at_boundary(_progress_view(_rec("me", 5, role, applied=5), *others), "me", 5, target,
+                           disagreement=facts.get("disagreement"), client=facts.get("client", False),
+                           catching_up=False, missed_round_runs=missed)
+    assert (decision.action.value, decision.rule) == expect, decision
+    # the one fact that may read the DHT is gathered only when every rule before it let the round go
+    assert bool(asked) == (decision.rule in ("missed round", "due")), asked
+
+
 # ---- matchmaking's rules (averaging/match_rules.py), on made-up records ---------------------------
 def _signed_group(step: int = 7, run: str = "r"):
     """Four identities (leader, a, b, me), and a helper building ``closed`` records of the leader's
@@ -866,6 +895,25 @@ def test_match_rule_leaders_outranking_and_the_lone_lead():
     assert not declines_lone_lead({"me": me_m}, False, False)  # nobody else at the step
     assert not declines_lone_lead({"me": me_m, "p3": ready["p3"]}, True, False)  # two contributors
     assert not declines_lone_lead({"agg": agg}, True, False)  # no contributor: rule 4's
+
+
+@pytest.mark.parametrize("answer", [
+    JoinAnswer.joined({"step": 3}), JoinAnswer.redirected("Qm-leader"), JoinAnswer.missed(),
+    JoinAnswer.missed(True, {"members": ["a", "b"]}), JoinAnswer.missed(False), JoinAnswer.round_failed(),
+    JoinAnswer.cannot_lead("not matchmaking for step 3"), JoinAnswer.refused("weight above the bound"),
+])
+def test_match_rule_a_join_answer_is_one_of_a_closed_set_and_reads_back_as_sent(answer):
+    assert JoinAnswer.from_wire(answer.to_wire()) == answer
+
+
+@pytest.mark.parametrize("wire, kind", [
+    ({"missed": True}, Answer.MISSED),  # a leader with no lead for the step says nothing about held
+    ({"missed": True, "held": False, "closed": {"members": []}}, Answer.NOT_HELD),
+    ({"redirect": 7}, Answer.REFUSED), ({}, Answer.REFUSED), ([1, 2], Answer.REFUSED), (None, Answer.REFUSED),
+    ({"error": "no", "pass": 1}, Answer.REFUSED),
+])
+def test_a_join_answer_reads_as_its_kind_and_a_malformed_one_as_refused(wire, kind):
+    assert JoinAnswer.from_wire(wire).kind is kind
 
 
 def test_an_aggregator_led_group_of_one_trainer_closes_the_step_for_nobody_else():

@@ -17,7 +17,7 @@ Protocol (docs/averaging.md has the reasoning and the soak findings; the rule nu
    reachable peer leads. A peer that asks a closed leader, or finds a closed group without itself, gets
    :class:`MissedRoundError` and joins the next step. A group in which no member can hand its
    state on (only clients and aggregator-only peers) closes the step for its members alone: its
-   leader publishes no ``closed`` record and answers late joiners ``{"missed", "held": false}``,
+   leader publishes no ``closed`` record and answers late joiners ``{"missed", "held": false}`` (join_answer.py),
    and they pass it over as if unreachable and form another group. Such a group does not close at
    all while the progress records show a trainer that can hand the state on at the step: its joiners
    are answered the same, and its leader raises :class:`LeftToTrainersError` (the step is theirs).
@@ -81,6 +81,7 @@ from hivemind.p2p import PeerID
 from dedloc.averaging.bounds import FOLLOWER_TOLERANCE, WeightBounds
 from dedloc.averaging import match_rules
 from dedloc.averaging.group import MAX_TIMEOUT, Group, Member, split_into_subgroups
+from dedloc.averaging.join_answer import Answer, JoinAnswer
 from dedloc.averaging.wire import VERSION
 from dedloc.config import AveragingConfig
 from dedloc.errors import LeftToTrainersError, MatchmakingError, MissedRoundError, ProtocolError
@@ -732,42 +733,42 @@ class Matchmaker:
                 raise ProtocolError("the join is not signed by its sender for this leader and step")
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
             self._refusals.warn(peer, f"refused join request from {peer}: {e}")
-            return {"error": str(e), **({"pass": True} if isinstance(e, _CannotLead) else {})}
+            return (JoinAnswer.cannot_lead if isinstance(e, _CannotLead) else JoinAnswer.refused)(str(e)).to_wire()
         waiting = self._waiting.setdefault(step, {})
         if answer_within is not None:  # the leader's work after closing is bounded by matchmaking_time / 2
             waiting[peer] = received + answer_within - ANSWER_MARGIN * self.config.matchmaking_time
         try:
-            return await self._answer_join(step, peer, member, gather, proof, wants)
+            return (await self._answer_join(step, peer, member, gather, proof, wants)).to_wire()
         finally:
             waiting.pop(peer, None)
 
     async def _answer_join(self, step: int, peer: str, member: Member, gather: float, proof: JoinProof,
-                           wants: float | None) -> dict[str, Any]:
+                           wants: float | None) -> JoinAnswer:
         incarnation = proof.incarnation
         try:
             await asyncio.wait_for(self._decision(step).wait(), 2 * self.config.matchmaking_time + gather)
         except asyncio.TimeoutError:
-            return {"error": f"not matchmaking for step {step}", "pass": True}
+            return JoinAnswer.cannot_lead(f"not matchmaking for step {step}")
         bounds = self._bounds.get(step)
         excess = bounds.excess(peer, member.weight) if bounds is not None else None
         if excess is not None:
             self._refusals.warn(peer, f"step {step}: refused the join of {peer}: {excess}")
-            return {"error": excess}
+            return JoinAnswer.refused(excess)
         if step in self._failed:
-            return {"missed": True, "held": False, "failed": True}
+            return JoinAnswer.round_failed()
         if step in self._follow and step not in self._lead:
-            return {"redirect": self._follow[step]}
+            return JoinAnswer.redirected(self._follow[step])
         state = self._lead.get(step)
         if state is None:
-            return {"missed": True}
+            return JoinAnswer.missed()
         if state.done.is_set():
             if state.redirect:
-                return {"redirect": state.redirect}
+                return JoinAnswer.redirected(state.redirect)
             if state.group is not None and state.group.index(peer) is not None:
                 if state.incarnations.get(peer, incarnation) != incarnation:
                     logger.info(f"step {step}: {peer} restarted after joining; its new process joins the next step")
                     return self._missed_answer(state)
-                return {"group": state.group.to_wire()}
+                return JoinAnswer.joined(state.group.to_wire())
             return self._missed_answer(state)
         state.members[peer] = member
         state.incarnations[peer] = incarnation
@@ -776,15 +777,15 @@ class Matchmaker:
             state.timeouts[peer] = wants
         await state.done.wait()
         if state.redirect:
-            return {"redirect": state.redirect}
-        return {"group": state.group.to_wire()} if state.group else self._missed_answer(state)
+            return JoinAnswer.redirected(state.redirect)
+        return JoinAnswer.joined(state.group.to_wire()) if state.group else self._missed_answer(state)
 
     @staticmethod
-    def _missed_answer(state: _Lead) -> dict[str, Any]:
+    def _missed_answer(state: _Lead) -> JoinAnswer:
         """``missed``, with the group's ``closed`` record when there is one: the asker checks it (rule 13)
         rather than wait for the record to reach the DHT."""
-        return {"missed": True, "held": state.held,
-                **({"closed": state.record.to_wire()} if state.record is not None and state.group is not None else {})}
+        return JoinAnswer.missed(state.held, state.record.to_wire()
+                                 if state.record is not None and state.group is not None else None)
 
     # ---- follower --------------------------------------------------------------------------------
     async def _missed_by(self, step: int, leader: str, record: Any, ready: dict[str, Member]) -> str | None:
@@ -802,7 +803,7 @@ class Matchmaker:
             logger.debug(f"step {step}: could not read the records after {leader}'s missed answer: {e!r}")
             return f"the round led by {leader} was already closed"
 
-    async def _ask(self, step: int, leader: str, request: dict[str, Any], deadline: float) -> dict[str, Any] | None:
+    async def _ask(self, step: int, leader: str, request: dict[str, Any], deadline: float) -> JoinAnswer | None:
         """Send ``request`` to ``leader`` and return its answer; None if the request could not be
         delivered. A stream that broke after delivery raises ConnectionError/IncompleteReadError; any
         other failure, or an answer that is not a dict, raises MatchmakingError."""
@@ -827,7 +828,7 @@ class Matchmaker:
             writer.close()
         if not isinstance(response, dict):
             raise MatchmakingError(f"step {step}: leader {leader} sent a malformed answer")
-        return response
+        return JoinAnswer.from_wire(response)
 
     async def _run_follow(self, step: int, me: Member, candidates: list[str], deadline: float,
                           gather: float, numel: int, timeout: float, ready: dict[str, Member]) -> Group:
@@ -858,10 +859,11 @@ class Matchmaker:
                                            f"{type(e).__name__}: {e}") from None
                 logger.debug(f"step {step}: join stream to {leader} broke ({e!r}); asking again")
                 continue
+            kind = None if response is None else response.kind
             if response is None:  # the request was never delivered: safe to try another leader
                 passed_over = f"no reachable leader among {candidates}"
-            elif "group" in response:
-                group = Group.from_wire(response["group"])
+            elif kind is Answer.GROUP:
+                group = Group.from_wire(response.group)
                 if group.step != step or group.index(self.me) is None:
                     raise MatchmakingError(f"step {step}: leader {leader} sent a group without this peer")
                 if group.round_id in self._dead.get(step, ()):
@@ -874,39 +876,39 @@ class Matchmaker:
                     if (excess := bounds.excess(m.peer_id, m.weight, FOLLOWER_TOLERANCE)) is not None:
                         raise MatchmakingError(f"step {step}: leader {leader} admitted an implausible claim: {excess}")
                 return group
-            elif "redirect" in response and isinstance(response["redirect"], str):
-                if response["redirect"] in self._unreachable.get(step, set()):
+            elif kind is Answer.REDIRECT:
+                if response.redirect in self._unreachable.get(step, set()):
                     # It still waits on the leader this peer passed over (the peers that waited on one
                     # give up within moments of each other): ask it again once it leads or follows
                     # another, until the deadline (not a hop).
                     if loop.time() + REASK_S >= deadline:
-                        raise MatchmakingError(f"step {step}: {leader} still follows {response['redirect']}, "
+                        raise MatchmakingError(f"step {step}: {leader} still follows {response.redirect}, "
                                                f"which this peer passed over")
                     hops -= 1
                     await asyncio.sleep(REASK_S)
                     continue
-                leader = response["redirect"]
+                leader = response.redirect
                 continue
-            elif response.get("missed") and response.get("held") is False:
-                why = f"{leader}'s round for this step failed" if response.get("failed") else \
+            elif kind is Answer.NOT_HELD:
+                why = f"{leader}'s round for this step failed" if response.failed else \
                     f"the round led by {leader} closed with no member that can hand its state on"
                 self._note(step, f"failed:{leader}", f"{why}; forming another")
                 passed_over = f"{why}, and no other reachable peer is ready to lead"
-            elif response.get("missed"):
-                why = await self._missed_by(step, leader, response.get("closed"), ready)
+            elif kind is Answer.MISSED:
+                why = await self._missed_by(step, leader, response.closed, ready)
                 if why:
                     raise _missed_error(step, why)
                 self._note(step, f"unproven:{leader}", f"{leader} answered that this peer missed the step, but no "
                                                        f"group that closed it for this peer shows; forming another")
                 passed_over = f"{leader} answered missed without a group that closed the step, and no other " \
                               f"reachable peer is ready to lead"
-            elif response.get("pass") is True:  # it cannot lead the step (a process restarted under its id,
-                # whose old ready record still shows): passed over, as if unreachable
-                why = f"{leader} cannot lead the step ({str(response.get('error'))[:200]})"
+            elif kind is Answer.CANNOT_LEAD:  # (a process restarted under its id, whose old ready record
+                # still shows): passed over, as if unreachable
+                why = f"{leader} cannot lead the step ({response.error[:200]})"
                 self._note(step, f"cannot lead:{leader}", f"{why}; forming another")
                 passed_over = f"{why}, and no other reachable peer is ready to lead"
             else:
-                raise MatchmakingError(f"step {step}: leader {leader} refused: {response.get('error')}")
+                raise MatchmakingError(f"step {step}: leader {leader} refused: {response.error}")
             # this leader is passed over for the step (every peer that asks it is, alike): the next one leads
             self._unreachable.setdefault(step, set()).add(leader)
             if not regrouped:

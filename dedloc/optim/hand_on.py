@@ -13,12 +13,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from dedloc.optim.port import PeerPort
 from dedloc.records import CollaborationView, ProgressRecord, Role
-
-if TYPE_CHECKING:
-    from dedloc.optim.optimizer import CollaborativeOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +34,22 @@ def holds(record: ProgressRecord, step: int, backbone: bool = False) -> bool:
         and applied >= step
 
 
-def hand_on(opt: "CollaborativeOptimizer", timeout: float, stop: threading.Event | None = None,
+class Leaving(Protocol):
+    """What handing on asks of an optimizer (``CollaborativeOptimizer``)."""
+
+    peer: PeerPort
+
+    @property
+    def applied_step(self) -> int: ...
+
+    def drop_gradients(self) -> None: ...
+
+    def offer_state(self) -> None: ...
+
+    def report(self) -> CollaborationView: ...
+
+
+def hand_on(opt: Leaving, timeout: float, stop: threading.Event | None = None,
             backbone: bool = False) -> bool:
     """Serve ``opt``'s state and publish its progress until another peer holds its applied step
     (``backbone``: until a backbone has checkpointed it). Returns True once one does (at once,
@@ -45,7 +58,7 @@ def hand_on(opt: "CollaborativeOptimizer", timeout: float, stop: threading.Event
     are dropped: this peer contributes nothing more. Raises what a progress report raises
     (RuntimeClosedError, DedlocError); a KeyboardInterrupt ends the wait and propagates."""
     me, step = opt.peer.peer_id, opt.applied_step
-    opt.acc.reset()
+    opt.drop_gradients()
     opt.offer_state()
     deadline = time.monotonic() + timeout
     waiting = False

@@ -1,16 +1,18 @@
 """When a step is held back, skipped or handed to a resync: the optimizer's step rules, as pure
 functions of what a peer knows (the collaboration's progress records, its own steps, its clocks).
 
-The optimizer (optim/optimizer.py) gathers these facts, reads the DHT where a rule says it must
-(``round_may_finish``, the missed round's deadline), and acts; the rules themselves make no call,
-so each is tested on made-up records in milliseconds (tests/test_units.py). docs/optimizer.md
+The optimizer and state sync (optim/optimizer.py, optim/state_sync.py) gather these facts, read
+the DHT where a rule says they must (``round_may_finish``, the missed round's deadline), and act;
+the rules themselves make no call, so each is tested on made-up records in milliseconds (tests/test_units.py). docs/optimizer.md
 has the reasoning; the incidents that taught each rule are named by its regression tests.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from dedloc.records import CollaborationView, Role
 
@@ -125,5 +127,70 @@ def round_may_finish(until: float | None, now: float) -> bool:
     return until is not None and now < until
 
 
-__all__ = ["Windows", "FRESH_GRACE", "checkpointed_past", "held_back_alone", "others_in_missed_round",
+class Mode(str, enum.Enum):
+    """Where a peer's step stands between two micro-batches (``CollaborativeOptimizer.mode``)."""
+
+    ACCUMULATING = "accumulating"
+    """Adding micro-batches to the step it counts toward; its parameters are at that step."""
+    IN_FLIGHT = "in flight"
+    """Delayed updates: the round of the step before runs in the background while it accumulates."""
+    CATCHING_UP = "catching up"
+    """Delayed updates: that round failed or closed without it; the next step's state downloads in
+    the background, the gradients in hand are kept (optim/state_sync.py)."""
+    RESYNCING = "resyncing"
+    """Its gradients were dropped; it downloads the collaboration's state before it goes on."""
+
+
+class Action(str, enum.Enum):
+    """What a peer does at the step boundary (``at_boundary``)."""
+
+    RESYNC = "resync"  # drop the gradients in hand, download the collaboration's state
+    ACCUMULATE = "accumulate"  # the global batch is not full: compute the next micro-batch
+    HOLD = "hold"  # the batch is full, but this peer may not take the step now: keep accumulating
+    ROUND = "round"  # take the step: join (or lead) its round
+
+
+@dataclass(frozen=True)
+class Boundary:
+    action: Action
+    rule: str
+    """The rule that decided: "ahead", "checkpointed", "disagrees", "below target", "held back alone",
+    "missed round", "due"."""
+    reason: str = ""
+
+
+def at_boundary(view: CollaborationView, me: str, step: int, target: int, *, disagreement: str | None,
+                client: bool, catching_up: bool, missed_round_runs: Callable[[], bool]) -> Boundary:
+    """What a peer that just added a micro-batch for ``step`` does, in this order:
+
+    1. *ahead*: the collaboration is two or more steps past it: resync;
+    2. *checkpointed*: a backbone holds a state past ``step`` (``checkpointed_past``): resync;
+    3. *disagrees*: its parameters are not the collaboration's (``disagreement``, from the lineage
+       votes, or None): resync;
+    4. *below target*: the collaboration's samples for ``step`` are below ``target`` and nobody
+       took it: accumulate;
+    5. *held back alone*: it would take the step ahead of every reachable trainer without being
+       able to hand it on (``held_back_alone``): hold;
+    6. *missed round*: the others at the step are still in the round before, which it missed
+       (``others_in_missed_round``, then ``missed_round_runs()``, which may read the DHT and is
+       called only here): hold;
+    7. *due*: take the step.
+    """
+    if view.global_step > step + 1:
+        return Boundary(Action.RESYNC, "ahead", f"the collaboration is at step {view.global_step}")
+    if checkpointed := checkpointed_past(view, step):
+        return Boundary(Action.RESYNC, "checkpointed", checkpointed)
+    if disagreement:
+        return Boundary(Action.RESYNC, "disagrees", disagreement)
+    if view.samples_at(step) < target and view.global_step <= step:
+        return Boundary(Action.ACCUMULATE, "below target")
+    if why := held_back_alone(view, me, step, client, catching_up):
+        return Boundary(Action.HOLD, "held back alone", why)
+    if missed_round_runs():
+        return Boundary(Action.HOLD, "missed round", f"step {step}: the others at it are still in the round of "
+                                                     f"step {step - 1} that this peer missed")
+    return Boundary(Action.ROUND, "due")
+
+
+__all__ = ["Mode", "Action", "Boundary", "at_boundary", "Windows", "FRESH_GRACE", "checkpointed_past", "held_back_alone", "others_in_missed_round",
            "heard_from_others", "skip_published", "skip_waits", "round_may_finish"]

@@ -25,7 +25,6 @@ from dedloc.peer import Peer
 from dedloc.peer_api import PeerAPI
 from dedloc.records import ClosedRecord
 from dedloc.service import PeerService
-from dedloc.state import lineage
 
 EVIL = 0.777
 """Every weight of the member's parameters is ``EVIL + 0.001 * step``."""
@@ -94,9 +93,8 @@ class AloneTaker(threading.Thread):
                     with torch.no_grad():
                         for p in self.model.parameters():
                             p.fill_(EVIL + 0.001 * s)
-                    copt.global_step = copt.applied_step = s + 1
-                    copt._fingerprint = copt._hash()
-                    copt._lineage = lineage.extend(copt._lineage, copt._fingerprint)
+                    copt.global_step = s + 1
+                    copt.local.advance(s)
                     copt.offer_state()
                     copt._report(busy=False)
                     self.took.append(s)
