@@ -179,7 +179,9 @@ class Split:
             return sum(1 for e in applied if e["trainer"] in side and e.get("via") == "state"
                        and self.healed_at <= e["t"] <= until and (e["applied"], _bytes(e["params"])) in made_by)
 
-        if took(rest, made(cut)) > took(cut, made(rest)):
+        # a state both sides' rounds made (the two met in one round after the heal) shows neither
+        by_cut, by_rest = made(cut), made(rest)
+        if took(rest, by_cut - by_rest) > took(cut, by_rest - by_cut):
             self.trainers, self.cut_off_kept = sorted(rest), True
 
     def settle(self, applied: list[dict], kept: dict[int, bytes]) -> None:
