@@ -11,8 +11,8 @@ what one step-boundary decision costs a peer's CPU at this size).
 Real (imported from dedloc, not copied): the progress records and the collaboration's view built
 from them (``records.CollaborationView``: the attested global step, samples at a step, the peers
 a round waits for); the step boundary (``optim.step_rules.at_boundary``) and the background-report
-rule (``optim.progress.far_from_target``); matchmaking's leader order and rule 14
-(``averaging.match_rules.leaders``, ``never_joined``, ``declines_lone_lead``); hierarchical
+rule (``optim.progress.far_from_target``); matchmaking's leader order, rule 14 and how often the ready records
+are read (``averaging.match_rules.leaders``, ``never_joined``, ``declines_lone_lead``, ``poll_period``); hierarchical
 subgroups (``averaging.group.split_into_subgroups``); the LP planner (``planning.lp.choose``, solved
 for real, its wall time charged to the leader's virtual clock) and its predicted round time; the
 byte size of every record on the wire (msgpack of ``to_wire()``).
@@ -29,9 +29,11 @@ backup chain fail the round for everyone (they keep their state and retry the st
 peer and hour (``--kill``, ``--freeze``, ``--leave``): killed and leaving peers are replaced by new
 ones 10-60 s later, which download the state; frozen ones stop for 20-40 s.
 
-Not modelled: the verification of rounds, the amendments after a failover, the lineage votes (no
-peer here disagrees about parameters: there are none), NAT traversal and relays, the
-backbone. ``lost_steps`` counts steps taken by two groups at once (a fork the rules must prevent);
+Not modelled: the verification of rounds, the amendments after a failover, the lineage votes as
+such (a peer whose step a larger group also took resyncs, as the vote would make it), NAT
+traversal and relays, the backbone. ``lost_steps`` counts steps taken by two disjoint groups of two or more at once (a fork
+the rules must prevent); ``lone_forks`` steps a group of one took beside a larger group (rule 13
+lets it; the lineage vote outvotes that peer, which then resyncs);
 ``skipped_steps`` rounds that failed for every member (the step is then retried).
 """
 
@@ -65,8 +67,6 @@ from dedloc.optim.step_rules import Action  # noqa: E402
 
 EPOCH = 1.8e9
 """Virtual wall clock at the simulation's start (records carry wall-clock times)."""
-POLL = 0.5
-"""Seconds between two reads of a step's ready records while gathering (as the matchmaker's)."""
 SNAPSHOT_S = 0.2
 """A read returns the key as it was up to this long ago (stores take that long to spread), so the
 readers of one moment share one snapshot, and one view built from it."""
@@ -248,6 +248,9 @@ class SimPeer:
             "%064x" % sim.rng.getrandbits(256)
         """Its direct-connection endpoint as published (host:port/certificate fingerprint)."""
         self.last_members: tuple[str, ...] = ()
+        self.forked: str | None = None
+        """Set when a larger group took a step this peer took alone (rule 13 let it): the lineage
+        vote outvotes it, and it resyncs at its next step boundary (the "disagrees" rule)."""
 
     # -- plumbing
     @property
@@ -269,8 +272,10 @@ class SimPeer:
 
     def record(self, busy: bool) -> ProgressRecord:
         now = self.sim.clock.wall
+        # the fingerprint names the step it holds (no peer here disagrees about parameters): rule 10 and
+        # the attested step read it as they read a real one
         return ProgressRecord(self.id, self.step, self.samples, self.speed, self.role, 0.0, now,
-                              now + self.mb_time if busy else 0.0, "")
+                              now + self.mb_time if busy else 0.0, f"{self.step}:{self.step:024x}")
 
     def publish(self, busy: bool) -> None:
         rec = self.record(busy)
@@ -322,7 +327,7 @@ class SimPeer:
             self.compute()
             return
         t0 = time.perf_counter()
-        d = step_rules.at_boundary(view, self.id, self.step, self.sim.args.target, disagreement=None,
+        d = step_rules.at_boundary(view, self.id, self.step, self.sim.args.target, disagreement=self.forked,
                                    client=self.client, catching_up=False, missed_round_runs=lambda: False)
         self.sim.decide_s.append(time.perf_counter() - t0)
         if d.action is Action.RESYNC:
@@ -339,7 +344,7 @@ class SimPeer:
         downloads the averaged gradients of the steps it lacks (``nbytes`` each) from a member that
         kept them, and applies them as the members did."""
         sim = self.sim
-        self.samples = 0
+        self.samples, self.forked = 0, None
         donors = [p for p in sim.peers.values() if p.alive and not p.client and p is not self
                   and p.step >= target and p.frozen_until <= sim.clock.now]
         if not donors:
@@ -389,7 +394,7 @@ class SimPeer:
                 elif sim.clock.now >= deadline + sim.mm:
                     self.compute()  # nothing readable: accumulate on, try again
                 else:
-                    sim.clock.after(POLL, self.live(poll))
+                    sim.clock.after(sim.poll(n), self.live(poll))
             sim.dht.get(f"ready.{step}", self.live(got))
         poll()
 
@@ -410,7 +415,7 @@ class SimPeer:
             self.join(step, order, 0)
 
     def lead(self, step: int, ready: dict[str, Member], expected: int) -> None:
-        """Lead ``step`` as ``Matchmaker._run_lead`` does: re-read the ready peers every POLL; close
+        """Lead ``step`` as ``Matchmaker._run_lead`` does: re-read the ready peers (``match_rules.poll_period``); close
         at ``matchmaking_time``, or once every ready peer joined and the group holds ``expected``."""
         sim = self.sim
         lead = sim.leads.get((step, self.id))
@@ -441,7 +446,7 @@ class SimPeer:
                                                  and len(lead.members) >= expected):
                     sim.close(lead)
                 else:
-                    sim.clock.after(POLL, self.live(poll))
+                    sim.clock.after(sim.poll(len(lead.ready)), self.live(poll))
             sim.dht.get(f"ready.{step}", self.live(got))
         poll()
 
@@ -528,9 +533,14 @@ class Simulation:
         self.decide_s: list[float] = []
         self.records_alive: list[int] = []
         self.alive_samples: list[int] = []
-        self.failed_rounds = self.resyncs = self.forks = self.stepped_down = self.replays = self.withdrawn = 0
+        self.failed_rounds = self.resyncs = self.forks = self.lone_forks = self.stepped_down = self.replays = self.withdrawn = 0
         self.sample_seconds = 0.0
         self._next_id = 0
+
+    def poll(self, ready: int) -> float:
+        """Seconds between two reads of a step's ready records, as the matchmaker waits them
+        (``--fixed-poll``: the flat 0.05 s it waited before ``poll_period``)."""
+        return match_rules.POLL if self.args.fixed_poll else match_rules.poll_period(ready, self.mm)
 
     # -- shared reads: every peer reading the same DHT version gets the same object (no copy per reader)
     def size_of(self, record: Any) -> int:
@@ -559,11 +569,14 @@ class Simulation:
         return self._leaders[key]
 
     # -- a group closes
-    def closed_for(self, step: int, me: str, then: Callable[[bool], None]) -> None:
+    def closed_for(self, step: int, me: str, then: Callable[[bool], None], tries: int = 2) -> None:
         """``then(True)`` if the step's closed records show a group of two or more contributors
         without ``me`` (rule 13, proofs taken as valid): the step is taken, ``me`` missed it. A lost
-        read counts as none."""
+        read is asked again (twice; then it counts as none)."""
         def got(entries: dict[str, _Entry] | None, version: int) -> None:
+            if entries is None and tries > 0:
+                self.closed_for(step, me, then, tries - 1)
+                return
             then(any(me not in e.value and len(e.value) >= 2 for e in (entries or {}).values()))
         self.dht.get(f"closed.{step}", got)
 
@@ -586,8 +599,8 @@ class Simulation:
             return
         others = bool(never)
         if match_rules.declines_lone_lead(members, others, lead.declined):
-            lead.declined = True  # rule 14: try again with them, once
-            self.clock.after(self.mm, leader.live(lambda: self.close(lead, checked=True)))
+            lead.declined = True  # rule 14: try again with them, once (a fresh attempt: rule 8's look again)
+            self.clock.after(self.mm, leader.live(lambda: self.close(lead)))
             return
         lead.closed = True
         joined = [p for p in lead.joiners if p.alive]
@@ -653,7 +666,15 @@ class Simulation:
         groups = self.taken.setdefault(step, [])
         members = tuple(sorted(p.id for p in survivors))
         if groups and not any(set(g) & set(members) for g in groups):
-            self.forks += 1  # a second, disjoint group took the same step
+            big = [g for g in groups if len(g) >= 2]
+            if len(members) >= 2 and big:
+                self.forks += 1  # a second, disjoint group of two or more took the same step: a fork
+            else:  # a group of one took it for itself alone (rule 13 lets it): outvoted, it resyncs
+                self.lone_forks += 1
+                lone = members if len(members) < 2 else next(g for g in groups if len(g) < 2)
+                for pid in lone:
+                    if (q := self.peers.get(pid)) is not None:
+                        q.forked = f"step {step} was taken by a larger group"
         groups.append(members)
         self.batches.append(float(sum(m.weight for m in lead.members.values())))
         self.round_s.append(seconds)
@@ -720,7 +741,7 @@ class Simulation:
         return {
             "peers": self.n, "sim_hours": self.args.hours, "steps": steps,
             "steps_per_hour": round(steps / self.args.hours, 1),
-            "lost_steps": self.forks, "skipped_steps": self.failed_rounds,
+            "lost_steps": self.forks, "skipped_steps": self.failed_rounds, "lone_forks": self.lone_forks,
             "matchmaking_p50_s": round(_percentile(self.matchmaking_s, 0.5), 2),
             "matchmaking_p95_s": round(_percentile(self.matchmaking_s, 0.95), 2),
             "group_sizes": {"p5": _percentile(self.group_sizes, 0.05), "p50": _percentile(self.group_sizes, 0.5),
@@ -758,6 +779,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill", type=float, default=0.5, help="kills per peer and hour")
     parser.add_argument("--leave", type=float, default=0.5, help="departures per peer and hour")
     parser.add_argument("--freeze", type=float, default=1.0, help="20-40 s freezes per peer and hour")
+    parser.add_argument("--fixed-poll", action="store_true",
+                        help="gathering peers and leaders read the ready records every 0.05 s whatever their "
+                             "number (the matchmaker before match_rules.poll_period), for comparison")
     parser.add_argument("--replay", type=int, default=0,
                         help="a peer at most this many steps behind downloads the averaged gradients of the steps "
                              "it lacks instead of the state (a proposed design, docs/scaling.md; 0: as built)")

@@ -9,6 +9,7 @@ import torch
 
 from dedloc.averaging.accumulator import PartAccumulator
 from dedloc.averaging.group import Group, Member, split_into_subgroups
+from dedloc.averaging import match_rules
 from dedloc.averaging.join_answer import Answer, JoinAnswer
 from dedloc.averaging.ring import ring_order
 from dedloc.averaging.wire import (HEADER, VERSION, Kind, pack_header, read_header, read_payload_into,
@@ -895,6 +896,15 @@ def test_match_rule_leaders_outranking_and_the_lone_lead():
     assert not declines_lone_lead({"me": me_m}, False, False)  # nobody else at the step
     assert not declines_lone_lead({"me": me_m, "p3": ready["p3"]}, True, False)  # two contributors
     assert not declines_lone_lead({"agg": agg}, True, False)  # no contributor: rule 4's
+
+
+@pytest.mark.parametrize("ready, matchmaking_time, period", [
+    (1, 3.0, 0.05), (8, 3.0, 0.05),  # a small run reads as often as it always did
+    (16, 3.0, 0.1), (100, 3.0, 0.625),  # beyond 8, the whole set is read 160 times a second at most
+    (1000, 3.0, 0.75), (1000, 0.1, 0.05),  # at most a quarter of matchmaking_time, never below the floor
+])
+def test_match_rule_the_ready_records_are_read_less_often_the_more_peers_are_ready(ready, matchmaking_time, period):
+    assert match_rules.poll_period(ready, matchmaking_time) == pytest.approx(period)
 
 
 @pytest.mark.parametrize("answer", [

@@ -24,6 +24,23 @@ class Asker:
     client: bool
 
 
+POLL = 0.05
+"""Seconds between two reads of a step's ready records while few peers are ready."""
+POLL_FLAT = 8
+"""Up to this many ready peers, every read waits POLL (the cadence a small run has always had)."""
+
+
+def poll_period(ready: int, matchmaking_time: float) -> float:
+    """Seconds between two reads of a step's ready records, by a gathering peer and by a leader
+    before it closes, when ``ready`` peers are ready. Each read returns every ready record, so N
+    peers reading every p seconds move N * N / p records: at a fixed 0.05 s, 1,000 peers would ask
+    one key for 20 million records a second (bench/simulate.py). The period grows with N beyond
+    ``POLL_FLAT`` peers (N / p stays at 160 reads a second of the whole set), up to a quarter of
+    ``matchmaking_time``, so a leader still sees a smaller ready peer, and a gatherer the expected
+    ones, well within its window."""
+    return min(max(POLL, POLL * ready / POLL_FLAT), max(POLL, matchmaking_time / 4))
+
+
 def leaders(ready: dict[str, Member], passed_over: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Rule 3: who may lead, in order: the ready peers that accept connections (neither in client
     mode nor behind NAT), smallest id first, less those passed over (rule 4)."""
@@ -99,5 +116,5 @@ def declines_lone_lead(members: dict[str, Member], others_at_step: bool, decline
     return one_contributor(members) and others_at_step and not declined_before
 
 
-__all__ = ["Asker", "leaders", "partners", "closes_for", "outranked_by", "never_joined", "trainers_outside", "one_contributor",
+__all__ = ["POLL", "poll_period", "Asker", "leaders", "partners", "closes_for", "outranked_by", "never_joined", "trainers_outside", "one_contributor",
            "declines_lone_lead"]

@@ -93,7 +93,6 @@ from dedloc.records import ClosedRecord, CollaborationView, JoinProof, ReadyReco
 from dedloc.tasks import Tasks
 
 logger = logging.getLogger(__name__)
-POLL = 0.05
 KEEP_STEPS = 64
 """Steps below the one this peer last matched for whose matchmaking state it keeps."""
 JOIN_AHEAD = 2
@@ -449,7 +448,7 @@ class Matchmaker:
             if (expected_peers and len(ready) >= expected_peers) or loop.time() >= min(gather_deadline,
                                                                                        self._answer_by(step)):
                 break
-            await asyncio.sleep(POLL)
+            await asyncio.sleep(match_rules.poll_period(len(ready), self.config.matchmaking_time))
         missed = await self._why_missed(step, ready=ready)
         if missed:
             self._missed(step, missed)
@@ -486,7 +485,7 @@ class Matchmaker:
         self._decision(step).set()
         ready: dict[str, Member] = {self.me: me}
         looked = False
-        floor = loop.time() + POLL  # joiners that are already waiting join before an early close
+        floor = loop.time() + match_rules.POLL  # joiners that are already waiting join before an early close
 
         def close_at() -> float:  # rule 3: in time for the earliest joiner waiting
             return min(close_deadline, max(self._answer_by(step), floor))
@@ -517,7 +516,7 @@ class Matchmaker:
                                               0.0, numel, timeout, ready)
             if set(ready) - unreachable <= set(state.members) and (not expected or len(state.members) >= expected):
                 break
-            await asyncio.sleep(POLL)
+            await asyncio.sleep(match_rules.poll_period(len(ready), self.config.matchmaking_time))
         overslept = loop.time() - close_deadline
         if overslept > 2 * self.config.matchmaking_time or loop.time() > self._stale_at.get(step, math.inf):
             # This process was suspended while it led (a stopped laptop): its joiners gave up at their
