@@ -212,8 +212,8 @@ class CollaborationView:
         without it, and it had to resync). A member that left has no record; one that died keeps its
         record, and its absence costs the gather window, as a stale record at ``step`` does."""
         ids = {me} | {r.peer_id for r in self.trainers_at(step)}
-        ids |= {r.peer_id for r in self.peers
-                if r.peer_id in last_round and r.role.trains and not r.syncing and r.step <= step}
+        last = set(last_round)
+        ids |= {r.peer_id for r in self.peers if r.peer_id in last and r.role.trains and not r.syncing and r.step <= step}
         return len(ids)
 
     @property
@@ -232,9 +232,20 @@ class CollaborationView:
         counts (``votes``) already hold the parameters after ``step``'s update: the collaboration
         took ``step``, and a round for it now could only be a group of latecomers (a fork). A lone
         peer ahead (e.g. a forked one, before it steps back) is not the collaboration."""
-        applied = [a > step for r in self.peers if r.peer_id != exclude and r.role.trains and not r.syncing
-                   and (a := r.applied_step) is not None and self.votes(r)]
+        applied = [a > step for peer_id, a in self._voters if peer_id != exclude]
         return 2 * sum(applied) > len(applied)
+
+    @functools.cached_property
+    def _voters(self) -> tuple[tuple[str, int], ...]:
+        """(peer id, applied step) of the training peers, not resyncing, whose fingerprint counts
+        (``votes``): ``took``'s electorate, once per view."""
+        return tuple((r.peer_id, a) for r in self.peers if r.role.trains and not r.syncing
+                     and (a := r.applied_step) is not None and self.votes(r))
+
+    @functools.cached_property
+    def newest_backbone_step(self) -> int | None:
+        """The newest step a live backbone holds (None: no backbone)."""
+        return max((r.step for r in self.peers if r.role == Role.BACKBONE), default=None)
 
     def votes(self, record: ProgressRecord) -> bool:
         """Whether ``record``'s fingerprint counts as a vote on the collaboration's history (rule 10,
@@ -253,8 +264,16 @@ class CollaborationView:
             return False
         if record.role != Role.CLIENT or not record.fingerprint:
             return bool(record.fingerprint)
+        settled = self._settled_trainer_fingerprints
+        return settled is None or record.fingerprint in settled
+
+    @functools.cached_property
+    def _settled_trainer_fingerprints(self) -> frozenset[str] | None:
+        """The fingerprints the trainers not resyncing publish; None while no trainer is alive.
+        (Once per view: ``took`` asks ``votes`` of every record, which made it quadratic in the
+        peers, 58 ms per call at 1,000 of them: bench/simulate.py.)"""
         trainers = [r for r in self.peers if r.role == Role.TRAINER]
-        return not trainers or any(r.fingerprint == record.fingerprint and not r.syncing for r in trainers)
+        return frozenset(r.fingerprint for r in trainers if not r.syncing) if trainers else None
 
     def consensus_fingerprint(self, applied_step: int) -> str | None:
         """The parameter fingerprint most peers at ``applied_step`` report, of those that count

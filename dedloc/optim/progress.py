@@ -43,9 +43,10 @@ def far_from_target(view: CollaborationView, me: str, step: int, samples: int, s
     if view.global_step != step or age > MAX_VIEW_AGE:
         return False
     total, rate = float(samples), speed
-    for r in view.trainers_at(step):
+    for r in view.trainers_at(step):  # (a loop without calls: 1,000 records per micro-batch at 1,000 peers)
         if r.peer_id != me:
-            total += r.samples + r.samples_per_second * max(0.0, now - r.time)
+            lag = now - r.time
+            total += r.samples + (r.samples_per_second * lag if lag > 0 else 0.0)
             rate += r.samples_per_second
     if rate <= 0:
         return False

@@ -40,8 +40,8 @@ def checkpointed_past(view: CollaborationView, step: int) -> str:
     state past it ("" if none does). A backbone checkpoints only states a trainer applied on the
     history the live peers hold, so its step is one the run took, even when the trainers that took
     it have left or are out of reach: a peer one step behind must not take it again alone."""
-    ahead = max((r.step for r in view.peers if r.role == Role.BACKBONE and r.step > step), default=None)
-    return "" if ahead is None else f"a backbone holds step {ahead}, so the run took step {step} already"
+    ahead = view.newest_backbone_step
+    return "" if ahead is None or ahead <= step else f"a backbone holds step {ahead}, so the run took step {step} already"
 
 
 def held_back_alone(view: CollaborationView, me: str, step: int, client: bool, catching_up: bool) -> str | None:
