@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import math
 import os
@@ -593,6 +594,21 @@ class Soak:
             max_diff = max(max_diff, diff)
             if diff > 0:
                 disagreed.append(k)
+        # who took each disagreed step which way (the first three): what a failure in CI, which keeps no
+        # logs, needs to tell a fork (two rounds of one step) from a bad download
+        names = {pid: f"trainer{t}.{inc}" for (t, inc), pid in peer_of.items()}
+        versions = {}
+        for k in disagreed[:3]:
+            groups = {}
+            for e in events:
+                if e["e"] == "applied" and e["applied"] == k:
+                    key = hashlib.sha256(_bytes(e["params"])).hexdigest()[:8]
+                    groups.setdefault(key, []).append(f"trainer{e['trainer']}.{e['inc']} {e['via']} "
+                                                      f"at {e['t'] - start:.1f} s")
+            rounds_of = [f"trainer{e['trainer']}.{e['inc']} with "
+                         f"{sorted(names.get(c, c[:12]) for c in e['contributors'])} at {e['t'] - start:.1f} s"
+                         for e in events if e["e"] == "round" and e["step"] == k - 1]
+            versions[k] = {"applied": groups, "rounds": rounds_of[:12]}
         steps_at = [(k, first_at[k]) for k in sorted(first_at) if k > 0]
         windows = [(a, b, k) for (k, a), (_, b) in zip(steps_at, steps_at[1:])] + \
             ([(steps_at[-1][1], end, steps_at[-1][0])] if steps_at else [(start, end, 0)])
@@ -617,6 +633,7 @@ class Soak:
                 "trainers": len(self.trainers), "target": self.args.target, "steps": steps,
                 "lost_steps": len(disagreed) + len(crashes) + len(self.crashed), "disagreed_steps": disagreed[:50],
                 "final_step_agrees": steps not in disagreed, "applied_backwards": backwards[:20],
+                "disagreement": versions, "first_disagreed_s": round(first_at[disagreed[0]] - start, 1) if disagreed else None,
                 "crashes": (crashes + self.crashed)[:20],
                 "skipped_steps": sorted({e["step"] for e in events if e["e"] == "round" and e["skipped"]}),
                 "longest_stall_s": round(stall_to - stall_from, 1),
@@ -687,7 +704,7 @@ def log_digest(workdir: str, start: float, from_s: float, to_s: float, limit: in
     """The log lines (``HH:MM:SS LEVEL ...``: the peers' and the soak's own faults, ``chaos.log``) from 5 s
     before ``from_s`` to a second after ``to_s`` (seconds after ``start``): what a failed soak was doing
     during its longest stall. At most ``limit`` lines, faults, warnings and errors first, each prefixed
-    with its log's name."""
+    with its log's name (the routine "averaged with" lines last)."""
     lo, hi = (time.strftime("%H:%M:%S", time.localtime(start + s)) for s in (from_s - 5, to_s + 1))
     lines = []
     for path in sorted(glob.glob(os.path.join(workdir, "*.log"))):
@@ -699,9 +716,9 @@ def log_digest(workdir: str, start: float, from_s: float, to_s: float, limit: in
                         (lo <= stamp <= hi if lo <= hi else (stamp >= lo or stamp <= hi)):  # past midnight
                     lines.append((stamp, name, line.rstrip()[:300]))
     lines.sort()
-    urgent = [x for x in lines if x[1] == "chaos" or " WARN" in x[2] or " ERROR " in x[2]]
-    rest = [x for x in lines if x not in urgent]
-    shown = sorted(urgent[:limit] + rest[:max(0, limit - len(urgent))])
+    def rank(x: tuple) -> int:  # faults, warnings and errors; then events; the rounds that went as usual last
+        return 0 if x[1] == "chaos" or " WARN" in x[2] or " ERROR " in x[2] else 2 if " averaged with " in x[2] else 1
+    shown = sorted(sorted(lines, key=rank)[:limit])
     return "\n".join(f"{name}: {line}" for _, name, line in shown) + \
         (f"\n... and {len(lines) - len(shown)} more lines" if len(lines) > len(shown) else "")
 

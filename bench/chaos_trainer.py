@@ -77,9 +77,8 @@ def main() -> None:
         sgd, sched = make_opt(model)
         pending: list[list] = []
 
-        def contributed(step: int, samples: int) -> None:
+        def contributed(step: int, samples: int) -> None:  # (a step declined keeps them for the next try)
             log("contrib", step=step, samples=samples, mbs=pending[:] if samples else [])
-            pending.clear()
 
         opt = CollaborativeOptimizer(sgd, peer, OptimizerConfig(target_batch_size=spec["target"],
                                                                 delay_updates=spec["delay_updates"],
@@ -104,6 +103,8 @@ def main() -> None:
             outcome = opt.step(micro)
             if outcome == StepOutcome.RESYNCED:
                 log("drop", samples=sum(len(m[0]) for m in pending))
+                pending.clear()
+            elif outcome in (StepOutcome.STEPPED, StepOutcome.SKIPPED):  # they went into that step's round
                 pending.clear()
             for r in opt.history[seen_rounds:]:
                 log("round", step=r.step, batch=r.batch, contributors=list(r.contributors), skipped=r.skipped,

@@ -217,7 +217,7 @@ class Lead:
     ready: dict[str, Member] | None = None
     """The ready peers the leader saw when it decided to lead (None: not leading yet)."""
     closed: bool = False
-    declined: bool = False
+    declined: dict[str, float] | None = None
     withdrawn: bool = False
     """Rule 9: outranked by a larger group that closed the step at the same time."""
     redirect: str | None = None
@@ -598,8 +598,9 @@ class Simulation:
             self.closed_for(lead.step, lead.leader, leader.live(then))
             return
         others = bool(never)
-        if match_rules.declines_lone_lead(members, others, lead.declined):
-            lead.declined = True  # rule 14: try again with them, once (a fresh attempt: rule 8's look again)
+        # (the simulation reads no progress records here: no trainer beside the lead counts as silent)
+        if match_rules.declines_lone_lead(members, others, lead.declined, {}):
+            lead.declined = {}  # rule 14: try again with them, once (a fresh attempt: rule 8's look again)
             self.clock.after(self.mm, leader.live(lambda: self.close(lead)))
             return
         lead.closed = True

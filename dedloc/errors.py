@@ -85,6 +85,12 @@ class LeftToTrainersError(MatchmakingError):
     may still join (matchmaking rule 4)."""
 
 
+class LoneStepDeclined(MatchmakingError):
+    """This peer led a group in which it was the only contributor while other trainers are at the
+    step (matchmaking rule 14): the step stays open for a group with them, and the gradients in hand
+    are kept for it."""
+
+
 class AveragingError(DedlocError):
     """An averaging round could not complete; the local tensor was left untouched."""
 

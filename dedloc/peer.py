@@ -41,6 +41,7 @@ class Peer(PeerPort):
     def __init__(self, config: PeerConfig | None = None, averaging: AveragingConfig | None = None):
         self.config = (config or PeerConfig()).validate()
         self.averaging = (averaging or AveragingConfig()).validate()
+        self.progress_ttl = self.config.progress_ttl
         self.runtime = self._start()
         self.peer_id: str = self.runtime.info["peer_id"]
         self.maddrs: list[str] = self.runtime.info["maddrs"]

@@ -25,6 +25,10 @@ def test_two_minutes_of_churn_lose_no_step_and_match_the_replay(tmp_path):
     where = (f"(logs in {tmp_path}): {r}\nlogged during the longest stall (after step {stall['after_step']}, "
              f"{stall['from_s']}-{stall['to_s']} s):\n" + chaos.log_digest(str(tmp_path), r["started_at"],
                                                                           stall["from_s"], stall["to_s"]))
+    if r["disagreed_steps"]:  # and around the first step the peers took two ways
+        at = r["first_disagreed_s"]
+        where += (f"\nlogged around the first disagreed step ({at} s):\n"
+                  + chaos.log_digest(str(tmp_path), r["started_at"], at - 20, at + 10, limit=120))
     # deployed as the README says: one bootstrap, the backbone's, restarted with its own command line,
     # with a trainer restarting while it is down and a peer joining through it right after
     faults = r["failures_injected"]

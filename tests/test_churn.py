@@ -401,6 +401,7 @@ def test_a_step_most_peers_already_took_is_missed_even_after_its_closed_records_
         publish(b, 22)
         with pytest.raises(MatchmakingError, match="not taken by a group of one contributor"):  # a trainer at the step: rule 14
             late.average(torch.ones(4), step=5, weight=1.0, expected_peers=1)
+        publish(a, 5)  # it is alive (it publishes), yet does not join: the second time the step is taken
         stats = late.average(torch.ones(4), step=5, weight=1.0, expected_peers=1)
         assert stats.group_size == 1
     finally:
@@ -476,6 +477,8 @@ def test_a_closed_record_outliving_its_failed_round_closes_nothing():
             assert late.closed_round(0) == {}
             with pytest.raises(MatchmakingError, match="not taken by a group of one contributor"):  # the member is at step 0
                 late.average(torch.ones(4), step=0, weight=1.0, expected_peers=1)
+            member.report(ProgressRecord(member.peer_id, 0, 0, 1.0, Role.TRAINER, time=time.time(),
+                                         fingerprint="0:" + "ab" * 8))  # alive, not joining: taken the second time
             assert late.average(torch.ones(4), step=0, weight=1.0, expected_peers=1).group_size == 1
             # step 1's round succeeded for its member (it holds the update of step 1): the step stays closed
             member.report(ProgressRecord(member.peer_id, 2, 0, 1.0, Role.TRAINER, time=time.time(),
@@ -1439,3 +1442,52 @@ def test_a_step_only_a_leaving_trainer_could_serve_is_handed_on_or_taken_again(l
     finally:
         for p in (t, c, u):
             p.close()
+
+
+@pytest.mark.parametrize("away", ["shorter than their records live", "longer than their records live"])
+def test_two_trainers_stopped_at_a_step_do_not_take_it_again_beside_the_one_that_went_on(make_peers, away):
+    """The CI chaos soak's fork (steps 24-26, and 19-20 when reproduced): while two trainers' training
+    loops were stopped (SIGSTOP) holding samples for a step, a third took that step alone (it
+    declined once, then closed); back, the two took it again together, and the third, outvoted,
+    stepped back. Now a lone lead waits while a trainer at its step publishes nothing (until it
+    comes back, or its record lapses), keeping its gradients; and a peer back from longer than its
+    record lives downloads the run's state when the run went past it. Either way each step is
+    taken once: every peer that holds a step holds the same parameters, and none steps back."""
+    torch.set_num_threads(1)
+    ttl = 10.0
+    a, b, c = make_peers(3, averaging=AveragingConfig(matchmaking_time=1, averaging_timeout=10, probe_interval=0),
+                         progress_ttl=ttl)
+    cfg = OptimizerConfig(target_batch_size=48, state_timeout=60)
+    released = threading.Event()
+    stopped: set[int] = set()
+    shorter = away.startswith("shorter")
+
+    def stopped_at_step_2(opt):  # the training process stopped, its peer still up (chaos's stop_trainer)
+        if opt.global_step == 2 and opt.acc.samples >= 8 and id(opt) not in stopped:
+            stopped.add(id(opt))
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < (0.6 * ttl if shorter else 1.3 * ttl) or \
+                    (not shorter and lone.opt.applied_step < 3 and time.monotonic() - t0 < 60):
+                threading.Event().wait(0.05)
+            released.set()
+
+    def waits_at_step_4(opt):  # the lone one goes no further than step 4 before they are back
+        if opt.global_step >= 4:
+            released.wait(60)
+
+    lone = Trainer(0, a, cfg, 4, delay=0.05, steps=6, gate=waits_at_step_4)
+    others = [Trainer(i, p, cfg, 4, delay=0.05, steps=6, gate=stopped_at_step_2) for i, p in ((1, b), (2, c))]
+    for tr in (lone, *others):
+        tr.start()
+    join_all([lone, *others], timeout=240)
+    assert len(stopped) == 2
+    for step in range(1, 7):
+        held = [(t.index, t.params[step]) for t in (lone, *others) if step in t.params]
+        assert all(torch.equal(p, held[0][1]) for _, p in held), \
+            f"step {step} was taken twice: trainers {[i for i, _ in held]} hold different parameters"
+    assert lone.opt.resyncs == 0, "the trainer that went on was outvoted and stepped back"
+    round_2 = next(r for r in lone.opt.history if r.step == 2)
+    if shorter:  # it waited for them, and the step was taken by the three together
+        assert round_2.group_size == 3, round_2
+    else:  # their records lapsed: it went on alone, and they downloaded its state when back
+        assert round_2.group_size == 1 and all(t.opt.resyncs >= 1 and 3 not in t.params for t in others)

@@ -180,7 +180,7 @@ def test_expired_and_revoked_invitations_are_refused_and_revocations_spread(tmp_
         nodes = [a]
         try:
             initial = tuple(await a.visible_maddrs())
-            brief = member(owner, tmp_path, "brief", expires=3.0, initial_peers=initial)
+            brief = member(owner, tmp_path, "brief", expires=8.0, initial_peers=initial)  # (3 s ran out under a loaded CI)
             c_config = member(owner, tmp_path, "c", initial_peers=initial)
             for cfg in (member(owner, tmp_path, "d", initial_peers=initial), brief, c_config):
                 nodes.append(await Node.create(cfg))

@@ -873,7 +873,7 @@ def test_match_rule_whose_group_closes_a_step_for_whom():
 
 
 def test_match_rule_leaders_outranking_and_the_lone_lead():
-    from dedloc.averaging.match_rules import Asker, declines_lone_lead, leaders, never_joined, outranked_by
+    from dedloc.averaging.match_rules import Asker, declines_lone_lead, leaders, never_joined, outranked_by, silent_since
     from dedloc.records import ClosedRecord, Member
 
     ready = {"p3": Member("p3", 8, 1.0), "p1": Member("p1", 8, 0.0, client=True), "p2": Member("p2", 8, 1.0),
@@ -890,12 +890,20 @@ def test_match_rule_leaders_outranking_and_the_lone_lead():
     # rule 14: the only contributor declines once while others are at the step
     me_m, agg = Member("me", 8, 1.0), Member("agg", 0, 1.0, fetch=False)
     assert never_joined(ready, {"me": me_m}, {"p2"}) == {"p0", "p1", "p3"}
-    assert declines_lone_lead({"me": me_m, "agg": agg}, True, False)  # an aggregator does not make two
-    assert declines_lone_lead({"agg": agg, "me": me_m}, True, False)  # whoever leads (an aggregator-only leader)
-    assert not declines_lone_lead({"me": me_m}, True, True)  # the second time it closes
-    assert not declines_lone_lead({"me": me_m}, False, False)  # nobody else at the step
-    assert not declines_lone_lead({"me": me_m, "p3": ready["p3"]}, True, False)  # two contributors
-    assert not declines_lone_lead({"agg": agg}, True, False)  # no contributor: rule 4's
+    assert declines_lone_lead({"me": me_m, "agg": agg}, True, None, {})  # an aggregator does not make two
+    assert declines_lone_lead({"agg": agg, "me": me_m}, True, None, {})  # whoever leads (an aggregator-only leader)
+    assert not declines_lone_lead({"me": me_m}, True, {}, {})  # the second time it closes
+    assert not declines_lone_lead({"me": me_m}, False, None, {})  # nobody else at the step
+    assert not declines_lone_lead({"me": me_m, "p3": ready["p3"]}, True, None, {})  # two contributors
+    assert not declines_lone_lead({"agg": agg}, True, None, {})  # no contributor: rule 4's
+    # ... and again while a trainer at the step at the first decline has published nothing since
+    # (frozen or dead: it waits for it to come back or for its record to lapse)
+    then = {"p2": 100.0, "p3": 200.0}
+    assert declines_lone_lead({"me": me_m}, True, then, {"p2": 100.0, "p3": 201.0})  # p2 silent
+    assert silent_since(then, {"p2": 100.0, "p3": 201.0}) == ["p2"]
+    assert not declines_lone_lead({"me": me_m}, True, then, {"p2": 101.0, "p3": 201.0})  # both alive: it closes
+    assert not declines_lone_lead({"me": me_m}, True, then, {"p3": 201.0})  # p2's record lapsed (or it left)
+    assert not declines_lone_lead({"me": me_m}, False, then, {})  # nobody at the step any more
 
 
 @pytest.mark.parametrize("ready, matchmaking_time, period", [

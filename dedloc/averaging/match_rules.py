@@ -9,6 +9,7 @@ milliseconds (tests/test_units.py). The rule numbers are docs/averaging.md's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from dedloc.records import ClosedRecord, CollaborationView, Member
 
@@ -99,7 +100,13 @@ def never_joined(ready: dict[str, Member], members: dict[str, Member], passed_ov
 def trainers_outside(view: CollaborationView, step: int, members: dict[str, Member]) -> bool:
     """Whether the progress records show a training peer at ``step`` (accumulating for it, not
     resyncing) that is not in the group ``members``: it would not follow a group of one (rule 14)."""
-    return any(r.peer_id not in members for r in view.trainers_at(step))
+    return bool(beside(view, step, members))
+
+
+def beside(view: CollaborationView, step: int, members: dict[str, Member]) -> dict[str, float]:
+    """The training peers at ``step`` outside the group ``members`` (``trainers_outside``), each with
+    its record's publish time (its own clock: compared only with an earlier record of the same peer)."""
+    return {r.peer_id: r.time for r in view.trainers_at(step) if r.peer_id not in members}
 
 
 def one_contributor(members: dict[str, Member]) -> bool:
@@ -107,14 +114,28 @@ def one_contributor(members: dict[str, Member]) -> bool:
     return sum(m.weight > 0 for m in members.values()) == 1
 
 
-def declines_lone_lead(members: dict[str, Member], others_at_step: bool, declined_before: bool) -> bool:
+def silent_since(declined: Mapping[str, float], now_beside: Mapping[str, float]) -> list[str]:
+    """The trainers that were at the step when a lead of it first declined (``declined``: each one's
+    record's publish time then) and still are, with that very record (``now_beside``): they published
+    nothing since, so they are frozen or dead (a dead one's record lapses within ``progress_ttl``)."""
+    return sorted(p for p, t in declined.items() if now_beside.get(p) == t)
+
+
+def declines_lone_lead(members: dict[str, Member], others_at_step: bool, declined: Mapping[str, float] | None,
+                       now_beside: Mapping[str, float]) -> bool:
     """Rule 14: a lead whose group has one contributor (the leader, or a trainer that joined an
-    aggregator-only leader) declines the step the first time, while other contributing peers are
-    ready for it or training at it (``others_at_step``): they would not follow a group of one (rule
-    13), and taking it would fork the step. The second time it closes (a peer that can never join,
-    e.g. a NAT'd one whose joins fail, holds it back only once)."""
-    return one_contributor(members) and others_at_step and not declined_before
+    aggregator-only leader) declines the step the first time (``declined`` None), while other
+    contributing peers are ready for it or training at it (``others_at_step``): they would not follow
+    a group of one (rule 13), and taking it would fork the step. Later it closes (a peer that can
+    never join, e.g. a NAT'd one whose joins fail, holds it back only once), unless a trainer that was
+    at the step at the first decline is still there and has published nothing since
+    (``silent_since``): two such trainers, frozen while they accumulated, came back and took the step
+    again together, a fork (the CI chaos soak: a lone trainer took steps 24-26 while two others were
+    stopped). So it waits for them to come back, or for their records to lapse."""
+    if not one_contributor(members) or not others_at_step:
+        return False
+    return declined is None or bool(silent_since(declined, now_beside))
 
 
-__all__ = ["POLL", "poll_period", "Asker", "leaders", "partners", "closes_for", "outranked_by", "never_joined", "trainers_outside", "one_contributor",
-           "declines_lone_lead"]
+__all__ = ["POLL", "poll_period", "Asker", "leaders", "partners", "closes_for", "outranked_by", "never_joined", "trainers_outside", "beside", "one_contributor",
+           "silent_since", "declines_lone_lead"]

@@ -57,8 +57,10 @@ Protocol (docs/averaging.md has the reasoning and the soak findings; the rule nu
 14. A lead of one contributor (the leader, or one trainer that joined an aggregator-only leader,
    whose record says it brought no samples) that ready peers never joined, or beside trainers at
    the step by their progress records, does not take the step the first time (they would not
-   follow it: rule 13): its round fails here and it tries again with them. The second time it
-   leads the step, it closes as before (a peer that can never join holds it back only once).
+   follow it: rule 13): it raises :class:`LoneStepDeclined` (the optimizer keeps its gradients)
+   and tries again with them. Later it closes as before (a peer that can never join holds it back
+   only once), unless a trainer at the step at the first decline has published nothing since
+   (frozen or dead): it waits for it to come back or for its record to lapse.
 
 Guarantees: a peer is in at most one group per step (it sends at most one join whose outcome
 is unknown, and a leader's group is final once sent); every call returns or raises within
@@ -84,7 +86,7 @@ from dedloc.averaging.group import MAX_TIMEOUT, Group, Member, split_into_subgro
 from dedloc.averaging.join_answer import Answer, JoinAnswer
 from dedloc.averaging.wire import VERSION
 from dedloc.config import AveragingConfig
-from dedloc.errors import LeftToTrainersError, MatchmakingError, MissedRoundError, ProtocolError
+from dedloc.errors import LeftToTrainersError, LoneStepDeclined, MatchmakingError, MissedRoundError, ProtocolError
 from dedloc.logs import OncePerStep, PerPeerWarnings
 from dedloc.net import messages
 from dedloc.net.node import Node
@@ -199,8 +201,9 @@ class Matchmaker:
         """Per step, when this peer's matchmaking for it is stale (its ready record expired: suspended)."""
         self._failed: set[int] = set()
         """Steps whose round failed at this peer and that it has not started matchmaking for again."""
-        self._declined: set[int] = set()
-        """Steps this peer once declined to take as its group's only contributor (rule 14)."""
+        self._declined: dict[int, dict[str, float]] = {}
+        """Steps this peer declined to take as its group's only contributor (rule 14), each with the
+        training peers at it then and their records' publish times."""
         self._dead: dict[int, set[bytes]] = {}
         """Per step, the rounds that failed at this peer: it never runs one again (rule 12)."""
         self._stores = Tasks("matchmaking")
@@ -232,7 +235,7 @@ class Matchmaker:
                 self._stale_at.pop(old, None)
                 self._failed.discard(old)
                 self._dead.pop(old, None)
-                self._declined.discard(old)
+                self._declined.pop(old, None)
                 self._waiting.pop(old, None)
         return self._decided[step]
 
@@ -542,8 +545,10 @@ class Matchmaker:
                     f"({type(e).__name__}); not taking the step alone"))
         unjoined = bool(set(ready) - self._unreachable.get(step, set()) - set(state.members))
         never_joined = match_rules.never_joined(ready, state.members, self._unreachable.get(step, set()))
+        view = None
         if alone and not unjoined and self.progress is not None:
-            unjoined = await self._lone_lead_check(step, state)
+            view = await self._lone_lead_check(step, state)
+            unjoined = match_rules.trainers_outside(view, step, state.members)
         if unjoined:
             # Ready peers never joined: they may have formed a group of their own before this peer's
             # ready record reached them (it woke from a freeze, or its state download just ended),
@@ -552,18 +557,8 @@ class Matchmaker:
             await self._close_unless_taken(step, state, alone, ready)
         if not _holds_state(tuple(state.members.values())):
             await self._leave_to_trainers(step, state, alone)
-        others = bool(never_joined or unjoined)
-        if not others and not alone and step not in self._declined and match_rules.one_contributor(state.members):
-            others = await self._trainers_beside(step, state)
-        if match_rules.declines_lone_lead(state.members, others, step in self._declined):
-            # (others at the step: ready peers that never joined, or trainers at it by their progress
-            # records, whose ready records may not have reached this peer through a frozen DHT node)
-            self._declined.add(step)
-            self._note(step, "declined", "not taking the step with one contributor while other peers are ready "
-                                         "for it or training at it; trying again with them")
-            self._end_lead(step, state, MatchmakingError(
-                f"step {step}: not taken by a group of one contributor: other peers are ready for it or training at "
-                f"it, and they would not follow it"), held=False)
+        if match_rules.one_contributor(state.members):
+            await self._decline_lone_lead(step, state, bool(never_joined or unjoined), alone, view)
         members = tuple(sorted(state.members.values(), key=lambda m: m.peer_id))
         subgroups = split_into_subgroups(members, self.config.max_group_size)
         if self.policy is not None and self.config.strategy == "partitioned":
@@ -599,7 +594,7 @@ class Matchmaker:
         logger.debug(f"step {step}: led a group of {len(members)}")
         return group
 
-    async def _lone_lead_check(self, step: int, state: _Lead) -> bool:
+    async def _lone_lead_check(self, step: int, state: _Lead) -> CollaborationView:
         """Rule 9 for a lead of one that saw no ready peer, by the progress records: raises if they
         cannot be read (MatchmakingError) or show the step taken (MissedRoundError, rule 10), else
         returns whether they show another training peer accumulating for ``step`` (not resyncing):
@@ -614,16 +609,38 @@ class Matchmaker:
             self._end_lead(step, state, _missed_error(step, TOOK) if view is not None else MatchmakingError(
                 f"step {step}: no ready peer seen, and the progress records could not be read; not taking the "
                 f"step alone"))
-        return match_rules.trainers_outside(view, step, state.members)
+        return view
 
-    async def _trainers_beside(self, step: int, state: _Lead) -> bool:
-        """Rule 14 for a group of one contributor with aggregator-only members (its joiners wait: the
-        look is bounded by a quarter of ``matchmaking_time``): whether the progress records show a
-        training peer outside the group at ``step`` (False if they cannot be read): trainers at the
-        step still in the round of the step before (delayed updates) are not ready yet, and would
-        miss a step such a group took."""
-        view = await self._view(self.config.matchmaking_time / 4)
-        return view is not None and match_rules.trainers_outside(view, step, state.members)
+    async def _decline_lone_lead(self, step: int, state: _Lead, others: bool, alone: bool,
+                                 view: CollaborationView | None) -> None:
+        """Rule 14 for a group of one contributor: raises LoneStepDeclined (the step stays open, the
+        leader keeps its gradients) when ``match_rules.declines_lone_lead`` says so. ``others``: ready
+        peers never joined it. The progress records (``view``, or read now: bounded by a quarter of
+        ``matchmaking_time`` while joiners wait; none read, nobody counts) add the training peers at the
+        step outside the group: trainers at the step still in the round of the step before (delayed
+        updates) are not ready yet, their ready records may not have reached this peer through a frozen
+        DHT node, and frozen ones publish nothing until they come back."""
+        if view is None:
+            view = await self._view(self.config.matchmaking_time / (1 if alone else 4))
+        beside = match_rules.beside(view, step, state.members) if view is not None else {}
+        declined = self._declined.get(step)
+        if not match_rules.declines_lone_lead(state.members, others or bool(beside), declined, beside):
+            return
+        memory = self._declined.setdefault(step, {})
+        for peer, published in beside.items():
+            memory.setdefault(peer, published)
+        if declined is None:
+            self._note(step, "declined", "not taking the step with one contributor while other peers are ready "
+                                         "for it or training at it; trying again with them")
+            why = "other peers are ready for it or training at it, and they would not follow it"
+        else:
+            silent = match_rules.silent_since(declined, beside)
+            why = (f"{len(silent)} trainer(s) at the step ({', '.join(silent)}) have published nothing since it was "
+                   f"first declined (frozen, or gone: a record lapses within the progress TTL); taken alone now, the "
+                   f"step would be taken again by them when they come back")
+            self._note(step, "declined again", f"still not taking the step alone: {why}")
+        self._end_lead(step, state, LoneStepDeclined(f"step {step}: not taken by a group of one contributor: {why}"),
+                       held=False)
 
     async def _leave_to_trainers(self, step: int, state: _Lead, alone: bool) -> None:
         """Rule 4 for a lead whose group could hand no state on (clients and aggregator-only peers):

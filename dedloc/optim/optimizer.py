@@ -53,7 +53,7 @@ import torch
 
 from dedloc.averaging.outcome import RoundOutcome
 from dedloc.config import OptimizerConfig
-from dedloc.errors import AveragingError, MatchmakingError, RuntimeClosedError
+from dedloc.errors import AveragingError, LoneStepDeclined, MatchmakingError, RuntimeClosedError
 from dedloc.logs import OncePerStep
 from dedloc.optim import step_rules
 from dedloc.optim.accumulator import GradientAccumulator
@@ -146,6 +146,8 @@ class CollaborativeOptimizer:
         self._inflight: _Inflight | None = None
         self._catchup: CatchUp | None = None
         self._closed = False
+        self._returned_at: tuple[float, float] | None = None
+        """When ``step`` last returned (monotonic, wall clock): the training loop's time away since."""
         view = self._report(busy=False)
         if view.global_step > self.global_step or self.sync.disagreement(view):
             self._resync(view, "joining a collaboration at step %d" % view.global_step)
@@ -212,6 +214,8 @@ class CollaborativeOptimizer:
                 return StepOutcome.RESYNCED
             if self._inflight is not None and self._inflight.future.done() and not self._finish_inflight():
                 return StepOutcome.RESYNCED
+            if self._back_behind_the_run():
+                return StepOutcome.RESYNCED
             view = self.progress.cached_view_if_far(self._facts(), lambda: self._record(busy=True))
             self._offer_if_wanted()
             if view is None:
@@ -225,6 +229,28 @@ class CollaborativeOptimizer:
             return self._round(view)
         finally:
             self.progress.ended()
+            self._returned_at = (time.monotonic(), time.time())
+
+    def _back_behind_the_run(self) -> bool:
+        """Whether this peer comes back from an absence (its training loop frozen, suspended, or busy
+        elsewhere) longer than its progress record lives to find the run past its step; then it
+        drops its gradients and downloads the run's state, as a newcomer would, and True. Its record
+        lapsed meanwhile, so the others went on without it; it reads the run with its own record
+        marked resyncing, so that the step it holds attests nothing: two trainers stopped for longer
+        than that came back at a step a third had taken alone meanwhile, and took it again together
+        (a fork). Both clocks count: a suspended machine's monotonic clock stands still."""
+        if self._returned_at is None or self.sync.syncing:
+            return False
+        mono, wall = self._returned_at
+        away = max(time.monotonic() - mono, time.time() - wall)
+        if away < self.peer.progress_ttl:
+            return False
+        view = self.sync.read_as_newcomer()
+        if view.global_step <= self.global_step:
+            return False
+        self._resync(view, f"this peer was away {away:.0f} s, longer than its progress record lives "
+                           f"({self.peer.progress_ttl:.0f} s), and the run went on to step {view.global_step}")
+        return True
 
     def offer_state(self) -> None:
         """Make the current state downloadable right away (e.g. before a planned stop, for a backbone)."""
@@ -347,6 +373,9 @@ class CollaborativeOptimizer:
             return StepOutcome.STEPPED
         try:
             stats = self.peer.average(vector, **kwargs)
+        except LoneStepDeclined as e:  # the step stays open for a group with the others: keep the gradients
+            logger.debug(f"{e}; keeping the gradients")
+            return StepOutcome.ACCUMULATED
         except (MatchmakingError, AveragingError) as e:
             self._resync(self.peer.collaboration(), f"step {step} failed: {e}")
             return StepOutcome.RESYNCED

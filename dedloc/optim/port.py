@@ -27,6 +27,8 @@ class PeerPort(abc.ABC):
     """This peer's id (base58 libp2p peer id for a real peer)."""
     averaging: AveragingConfig
     """How its rounds form (the optimizer reads the matchmaking and round windows)."""
+    progress_ttl: float
+    """Seconds its progress record lives after its last report (``PeerConfig.progress_ttl``)."""
 
     @property
     @abc.abstractmethod

@@ -190,6 +190,16 @@ class StateSync:
         return target, self.donors(view, target)
 
     # ---- resync --------------------------------------------------------------------------------------
+    def read_as_newcomer(self) -> CollaborationView:
+        """Publish this peer's record as resyncing (the step it holds then attests nothing) and read
+        everyone's: what a peer back from an absence longer than its record's life reads before it
+        decides whether the run went on without it."""
+        self.syncing = True
+        try:
+            return self._report()
+        finally:
+            self.syncing = False
+
     def resync(self, reason: str) -> bool:
         """Load the collaboration's state (the optimizer dropped the gradients in hand and anything in
         flight). True if it loaded a downloaded state, False if this peer holds the state already.

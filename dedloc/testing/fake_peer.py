@@ -144,6 +144,7 @@ class FakePeer(PeerPort):
     def __init__(self, run: FakeRun, peer_id: str, role: Role = Role.TRAINER):
         self.run, self.peer_id, self._role = run, peer_id, role
         self.averaging = run.averaging
+        self.progress_ttl = 30.0
 
     @property
     def role(self) -> Role:
