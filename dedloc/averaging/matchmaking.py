@@ -135,6 +135,57 @@ class _Lead:
     """The ``closed`` record of this lead's group (sent with a ``missed`` answer: the asker checks it)."""
 
 
+@dataclass
+class _StepMatch:
+    """This peer's matchmaking for one step: what it decided, led and followed, and what it learnt
+    about the others there (``Matchmaker._step``; the newest ``KEEP_STEPS`` steps are kept)."""
+
+    decided: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once this peer decided what it does in the step (lead, follow, miss): joiners wait on it."""
+    lead: _Lead | None = None
+    """Its lead of the step, while it leads or led it."""
+    follow: str | None = None
+    """The leader it follows."""
+    stepped_down: dict[str, int] = field(default_factory=dict)
+    """How often it stepped down for each peer (at most MAX_STEP_DOWNS: ``_run_lead``)."""
+    unreachable: set[str] = field(default_factory=set)
+    """Leaders it could not reach or passed over: never stepped down for or followed again (stepping
+    down and failing to reach them would loop until the deadline)."""
+    stale_at: float = math.inf
+    """When its matchmaking is stale (event loop time: its ready record expired, it was suspended)."""
+    failed: bool = False
+    """Its round failed here and it has not started matchmaking for the step again (rule 5)."""
+    declined: dict[str, float] | None = None
+    """Once it declined the step as its group's only contributor (rule 14): the training peers at
+    the step then, with their records' publish times."""
+    dead: set[bytes] = field(default_factory=set)
+    """Rounds that failed here: never run again (rule 12)."""
+    waiting: dict[str, float] = field(default_factory=dict)
+    """Joiners waiting for its answer, each with the time (event loop) by which it must close to
+    answer in time (rule 3)."""
+    bounds: WeightBounds | None = None
+    """The weights its training loop finds plausible for each member (when given)."""
+
+
+@dataclass(frozen=True)
+class _LeadNext:
+    """What a follower does next when every leader before it was passed over (rule 4): lead."""
+
+    expected: int | None
+    close_deadline: float
+
+
+@dataclass(frozen=True)
+class _FollowNext:
+    """What a leader does next when it sees a smaller reachable peer ready (rule 4): step down and
+    follow it."""
+
+    candidates: list[str]
+    deadline: float
+    gather: float
+    ready: dict[str, Member]
+
+
 class _CannotLead(ProtocolError):
     """A join this peer refuses because it cannot lead the step (not the joiner's fault): answered
     with ``pass`` (the joiner passes it over, rule 4)."""
@@ -187,33 +238,13 @@ class Matchmaker:
         self.data = ""
         """This peer's direct data endpoint, announced in its ready record and joins (set by the averager)."""
         self.proto = f"dedloc.{node.config.run_id}.join"
-        self._lead: dict[int, _Lead] = {}
-        self._follow: dict[int, str] = {}
-        self._decided: dict[int, asyncio.Event] = {}
-        self._stepped_down: dict[int, dict[str, int]] = {}
-        """Per step, how often this peer stepped down for each peer (at most MAX_STEP_DOWNS: ``_run_lead``)."""
-        self._unreachable: dict[int, set[str]] = {}
-        """Per step, leaders this peer could not reach: never stepped down for again (stepping down
-        and failing to reach them would loop until the deadline)."""
+        self._steps: dict[int, _StepMatch] = {}
+        """This peer's matchmaking, one object per step (``_step``)."""
         self._noted = OncePerStep(logger)
         """Per step, the matchmaking events already logged at INFO (repeats go to DEBUG)."""
-        self._stale_at: dict[int, float] = {}
-        """Per step, when this peer's matchmaking for it is stale (its ready record expired: suspended)."""
-        self._failed: set[int] = set()
-        """Steps whose round failed at this peer and that it has not started matchmaking for again."""
-        self._declined: dict[int, dict[str, float]] = {}
-        """Steps this peer declined to take as its group's only contributor (rule 14), each with the
-        training peers at it then and their records' publish times."""
-        self._dead: dict[int, set[bytes]] = {}
-        """Per step, the rounds that failed at this peer: it never runs one again (rule 12)."""
         self._stores = Tasks("matchmaking")
         """The ``closed`` records this peer is storing while its rounds run (``close`` cancels them)."""
-        self._waiting: dict[int, dict[str, float]] = {}
-        """Per step, the joiners waiting for this peer's answer, each with the time (event loop) by
-        which this peer must close to answer it in time (rule 3)."""
         self._refusals = PerPeerWarnings(logger)
-        self._bounds: dict[int, WeightBounds] = {}
-        """Step -> the weights this peer's training loop finds plausible for each member (when given)."""
         self._newest = -1
         """The step this peer last started matchmaking for (the window of joins it accepts follows it,
         also back, after the collaboration resumed from an older checkpoint)."""
@@ -222,43 +253,41 @@ class Matchmaker:
         if self.node.reachable:  # only a reachable peer ever leads
             await self.node.streams.serve_requests(self.proto, self._on_join)
 
+    def _step(self, step: int) -> _StepMatch:
+        """This peer's matchmaking for ``step`` (made on first use, when steps more than ``KEEP_STEPS``
+        behind the newest are forgotten)."""
+        st = self._steps.get(step)
+        if st is None:
+            st = self._steps[step] = _StepMatch()
+            for old in [s for s in self._steps if s < min(step, self._newest - KEEP_STEPS)]:
+                del self._steps[old]
+        return st
+
     def _decision(self, step: int) -> asyncio.Event:
-        if step not in self._decided:
-            self._decided[step] = asyncio.Event()
-            for old in [s for s in self._decided if s < min(step, self._newest - KEEP_STEPS)]:
-                self._decided.pop(old, None)
-                self._lead.pop(old, None)
-                self._bounds.pop(old, None)
-                self._follow.pop(old, None)
-                self._unreachable.pop(old, None)
-                self._stepped_down.pop(old, None)
-                self._stale_at.pop(old, None)
-                self._failed.discard(old)
-                self._dead.pop(old, None)
-                self._declined.pop(old, None)
-                self._waiting.pop(old, None)
-        return self._decided[step]
+        return self._step(step).decided
 
     def _reopen(self, step: int) -> None:
         """Forget this peer's earlier matchmaking for ``step`` (a retry after its round failed or it
         missed the step): joiners wait for the new decision instead of getting the old answer."""
-        self._failed.discard(step)
-        self._lead.pop(step, None)
+        st = self._step(step)
+        st.failed, st.lead = False, None
         self._undecide(step)
 
     def _undecide(self, step: int) -> None:
         """This peer no longer follows anyone for ``step`` and has not decided what it does next:
         a joiner waits for that decision instead of being sent to the leader it followed."""
-        self._follow.pop(step, None)
-        if step in self._decided and self._decided[step].is_set():
-            self._decided[step] = asyncio.Event()
+        st = self._steps.get(step)
+        if st is not None:
+            st.follow = None
+            if st.decided.is_set():
+                st.decided = asyncio.Event()
 
     async def round_failed(self, step: int, group: Group) -> None:
         """The round of ``group`` failed at this peer: reopen ``step`` for the others (protocol rule 5)."""
-        self._decision(step)
-        self._failed.add(step)
-        self._dead.setdefault(step, set()).add(group.round_id)
-        led = self._lead.get(step)
+        st = self._step(step)
+        st.failed = True
+        st.dead.add(group.round_id)
+        led = st.lead
         if led is None or led.group is None or led.group.round_id != group.round_id:
             return
         logger.info(f"step {step}: the round this peer led failed; the step is open again for the others")
@@ -290,7 +319,8 @@ class Matchmaker:
 
     def _answer_by(self, step: int) -> float:
         """When this peer must close ``step``'s lead to answer every joiner waiting in time (rule 3)."""
-        return min(self._waiting.get(step, {}).values(), default=math.inf)
+        st = self._steps.get(step)
+        return min(st.waiting.values(), default=math.inf) if st is not None else math.inf
 
     def _note(self, step: int, event: str, message: str) -> None:
         """Log ``message`` at INFO the first time ``event`` happens in ``step`` (at DEBUG after)."""
@@ -396,9 +426,10 @@ class Matchmaker:
         matchmaking for the step again, a joiner that asks it is told to pass it over (``failed``),
         not sent on to the leader it last followed, which that joiner may have passed over already
         (it would wait on the redirect until its deadline, and fail the step)."""
-        if self._follow.pop(step, None) is not None:
-            self._failed.add(step)
-            self._decision(step).set()
+        st = self._steps.get(step)
+        if st is not None and st.follow is not None:
+            st.follow, st.failed = None, True
+            st.decided.set()
 
     def _missed(self, step: int, why: str) -> NoReturn:
         self._decision(step).set()
@@ -429,7 +460,7 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         self._newest = step
         if bounds is not None:
-            self._bounds[step] = bounds
+            self._step(step).bounds = bounds
         self._reopen(step)
         t = self.config.matchmaking_time
         gather = t if gather_time is None else max(0.0, gather_time)
@@ -437,7 +468,7 @@ class Matchmaker:
         me = Member(self.me, float(weight), 0.0 if self.client else self.share, self.client, self.fetch, self.private,
                     self.data)
         started, ready_ttl = loop.time(), 3 * t + gather + self.config.averaging_timeout
-        self._stale_at[step] = started + ready_ttl
+        self._step(step).stale_at = started + ready_ttl
         # A late peer learns it at once instead of after the gather window: from a closed record, or,
         # once those expired (its training loop was frozen between reading the collaboration's step
         # and this call), from the others' progress records: it would otherwise take the step alone.
@@ -459,12 +490,19 @@ class Matchmaker:
         if not candidates:
             raise MatchmakingError(f"step {step}: no reachable peer (neither in client mode nor behind NAT) is ready to lead")
         timeout = timeout or self.config.averaging_timeout
+        role: _LeadNext | _FollowNext = _LeadNext(expected_peers, loop.time() + t) if candidates[0] == self.me \
+            else _FollowNext(candidates, loop.time() + 2 * t, gather, ready)
         try:
-            if candidates[0] == self.me:
-                group = await self._run_lead(step, me, expected_peers, loop.time() + t, numel, timeout)
-            else:
-                group = await self._run_follow(step, me, candidates, loop.time() + 2 * t, gather, numel, timeout,
-                                               ready)
+            while True:  # a leader may step down, a follower may end up leading (rule 4): each returns what is next
+                if isinstance(role, _LeadNext):
+                    outcome = await self._run_lead(step, me, role.expected, role.close_deadline, numel, timeout)
+                else:
+                    outcome = await self._run_follow(step, me, role.candidates, role.deadline, role.gather, numel,
+                                                     timeout, role.ready)
+                if isinstance(outcome, Group):
+                    group = outcome
+                    break
+                role = outcome
         except MissedRoundError:
             raise  # (the leader it followed closed the step: a joiner sent there learns the same)
         except MatchmakingError:
@@ -481,11 +519,12 @@ class Matchmaker:
 
     # ---- leader ----------------------------------------------------------------------------------
     async def _run_lead(self, step: int, me: Member, expected: int | None, close_deadline: float,
-                        numel: int, timeout: float) -> Group:
+                        numel: int, timeout: float) -> Group | _FollowNext:
         loop = asyncio.get_running_loop()
         state = _Lead({self.me: me})
-        self._lead[step] = state
-        self._decision(step).set()
+        st = self._step(step)
+        st.lead = state
+        st.decided.set()
         ready: dict[str, Member] = {self.me: me}
         looked = False
         floor = loop.time() + match_rules.POLL  # joiners that are already waiting join before an early close
@@ -499,35 +538,34 @@ class Matchmaker:
                 looked = True
             except asyncio.TimeoutError:
                 break
-            unreachable = self._unreachable.get(step, set())
+            unreachable = st.unreachable
             smaller = sorted(p for p, m in ready.items() if m.reachable and p < self.me and p not in unreachable)
-            downs = self._stepped_down.setdefault(step, {})
+            downs = st.stepped_down
             if smaller and downs.get(smaller[0], 0) >= MAX_STEP_DOWNS:
                 # Each time we stepped down for it, it sent our join on to a leader this peer cannot
                 # reach (its own follow target). Stepping down again would loop (lead, step down, be
-                # redirected to the unreachable one, lead...) until the recursion limit.
+                # redirected to the unreachable one, lead...) until its deadline.
                 logger.info(f"step {step}: {smaller[0]} keeps following a leader this peer cannot reach; "
                             f"leading instead")
-                self._unreachable.setdefault(step, set()).add(smaller[0])
+                st.unreachable.add(smaller[0])
                 continue
             if smaller:
                 downs[smaller[0]] = downs.get(smaller[0], 0) + 1
                 state.redirect = smaller[0]
                 state.done.set()
                 self._note(step, f"down:{smaller[0]}", f"stepping down as leader for {smaller[0]}")
-                return await self._run_follow(step, me, smaller, loop.time() + 2 * self.config.matchmaking_time,
-                                              0.0, numel, timeout, ready)
+                return _FollowNext(smaller, loop.time() + 2 * self.config.matchmaking_time, 0.0, ready)
             if set(ready) - unreachable <= set(state.members) and (not expected or len(state.members) >= expected):
                 break
             await asyncio.sleep(match_rules.poll_period(len(ready), self.config.matchmaking_time))
         overslept = loop.time() - close_deadline
-        if overslept > 2 * self.config.matchmaking_time or loop.time() > self._stale_at.get(step, math.inf):
+        if overslept > 2 * self.config.matchmaking_time or loop.time() > st.stale_at:
             # This process was suspended while it led (a stopped laptop): its joiners gave up at their
             # deadline, at most 2 matchmaking_time after this close, and went on. A group of them would
             # be run by nobody, yet its closed record would close the step for a round's length (and
             # every member would wait on it to skip the step). Any joiner still waiting is told to form
             # another group.
-            self._failed.add(step)
+            st.failed = True
             self._end_lead(step, state, MatchmakingError(
                 f"step {step}: this peer was suspended while leading ({overslept:.0f} s past its close); its "
                 f"joiners have gone: the step is left to the others"), held=False)
@@ -543,8 +581,8 @@ class Matchmaker:
                 self._end_lead(step, state, MatchmakingError(
                     f"step {step}: leading past the join deadline, and the step's ready records could not be read "
                     f"({type(e).__name__}); not taking the step alone"))
-        unjoined = bool(set(ready) - self._unreachable.get(step, set()) - set(state.members))
-        never_joined = match_rules.never_joined(ready, state.members, self._unreachable.get(step, set()))
+        unjoined = bool(set(ready) - st.unreachable - set(state.members))
+        never_joined = match_rules.never_joined(ready, state.members, st.unreachable)
         view = None
         if alone and not unjoined and self.progress is not None:
             view = await self._lone_lead_check(step, state)
@@ -623,10 +661,11 @@ class Matchmaker:
         if view is None:
             view = await self._view(self.config.matchmaking_time / (1 if alone else 4))
         beside = match_rules.beside(view, step, state.members) if view is not None else {}
-        declined = self._declined.get(step)
+        st = self._step(step)
+        declined = st.declined
         if not match_rules.declines_lone_lead(state.members, others or bool(beside), declined, beside):
             return
-        memory = self._declined.setdefault(step, {})
+        memory = st.declined = {**(declined or {})}
         for peer, published in beside.items():
             memory.setdefault(peer, published)
         if declined is None:
@@ -750,7 +789,7 @@ class Matchmaker:
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
             self._refusals.warn(peer, f"refused join request from {peer}: {e}")
             return (JoinAnswer.cannot_lead if isinstance(e, _CannotLead) else JoinAnswer.refused)(str(e)).to_wire()
-        waiting = self._waiting.setdefault(step, {})
+        waiting = self._step(step).waiting
         if answer_within is not None:  # the leader's work after closing is bounded by matchmaking_time / 2
             waiting[peer] = received + answer_within - ANSWER_MARGIN * self.config.matchmaking_time
         try:
@@ -765,16 +804,17 @@ class Matchmaker:
             await asyncio.wait_for(self._decision(step).wait(), 2 * self.config.matchmaking_time + gather)
         except asyncio.TimeoutError:
             return JoinAnswer.cannot_lead(f"not matchmaking for step {step}")
-        bounds = self._bounds.get(step)
+        st = self._step(step)
+        bounds = st.bounds
         excess = bounds.excess(peer, member.weight) if bounds is not None else None
         if excess is not None:
             self._refusals.warn(peer, f"step {step}: refused the join of {peer}: {excess}")
             return JoinAnswer.refused(excess)
-        if step in self._failed:
+        if st.failed:
             return JoinAnswer.round_failed()
-        if step in self._follow and step not in self._lead:
-            return JoinAnswer.redirected(self._follow[step])
-        state = self._lead.get(step)
+        if st.follow is not None and st.lead is None:
+            return JoinAnswer.redirected(st.follow)
+        state = st.lead
         if state is None:
             return JoinAnswer.missed()
         if state.done.is_set():
@@ -847,7 +887,7 @@ class Matchmaker:
         return JoinAnswer.from_wire(response)
 
     async def _run_follow(self, step: int, me: Member, candidates: list[str], deadline: float,
-                          gather: float, numel: int, timeout: float, ready: dict[str, Member]) -> Group:
+                          gather: float, numel: int, timeout: float, ready: dict[str, Member]) -> Group | _LeadNext:
         loop = asyncio.get_running_loop()
         self._decision(step).set()
         request = {"v": VERSION, "step": step, **ReadyRecord(me).to_wire(), "g": gather,
@@ -859,8 +899,9 @@ class Matchmaker:
         hops = 0
         while hops < 8:
             hops += 1
-            self._follow[step] = leader
-            self._decision(step).set()
+            st = self._step(step)
+            st.follow = leader
+            st.decided.set()
             tried.add(leader)
             signed = join_statement(self.node.config.run_id, step, leader, self.me, self.incarnation, me.weight > 0)
             request["j"] = JoinProof(self.incarnation, self.node.sign(signed), me.weight > 0).to_wire()  # rule 13
@@ -882,18 +923,18 @@ class Matchmaker:
                 group = Group.from_wire(response.group)
                 if group.step != step or group.index(self.me) is None:
                     raise MatchmakingError(f"step {step}: leader {leader} sent a group without this peer")
-                if group.round_id in self._dead.get(step, ()):
+                if group.round_id in st.dead:
                     # Rule 12: our round in that group failed here, and the leader still runs it; running it
                     # again would send another weight into it. The step is that group's until it ends.
                     raise MatchmakingError(f"step {step}: leader {leader} answered with the group whose round "
                                            f"already failed at this peer; the step is held until that round ends")
-                bounds = self._bounds.get(step)
+                bounds = st.bounds
                 for m in group.members if bounds is not None else ():
                     if (excess := bounds.excess(m.peer_id, m.weight, FOLLOWER_TOLERANCE)) is not None:
                         raise MatchmakingError(f"step {step}: leader {leader} admitted an implausible claim: {excess}")
                 return group
             elif kind is Answer.REDIRECT:
-                if response.redirect in self._unreachable.get(step, set()):
+                if response.redirect in st.unreachable:
                     # It still waits on the leader this peer passed over (the peers that waited on one
                     # give up within moments of each other): ask it again once it leads or follows
                     # another, until the deadline (not a hop).
@@ -926,7 +967,7 @@ class Matchmaker:
             else:
                 raise MatchmakingError(f"step {step}: leader {leader} refused: {response.error}")
             # this leader is passed over for the step (every peer that asks it is, alike): the next one leads
-            self._unreachable.setdefault(step, set()).add(leader)
+            st.unreachable.add(leader)
             if not regrouped:
                 # Rule 4: the peers that waited on it give up together, at their deadline (a leader frozen
                 # whole: its stream open hangs until then); they regroup in one fresh window, once (the
@@ -950,7 +991,7 @@ class Matchmaker:
                     # close while the others, who gave up on the same leader, still wait for an answer
                     t = self.config.matchmaking_time
                     close = min(deadline - t / 2, loop.time() + t)
-                    return await self._run_lead(step, me, None, close, numel, timeout)
+                    return _LeadNext(None, close)
                 raise MatchmakingError(f"step {step}: {passed_over}")
             leader = rest[0]
         raise MatchmakingError(f"step {step}: too many redirects while looking for the leader")
