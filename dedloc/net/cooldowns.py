@@ -1,5 +1,11 @@
 """The one per-peer "not now" table: peers a side avoids for a while (a direct connection that
-failed, a hole punch that did not come). Entries expire on their own; expired ones are forgotten."""
+failed, a hole punch that did not come). Entries expire on their own; expired ones are forgotten.
+
+Two other "avoid this peer" memories are not health caches but protocol state with the lifetime of
+what they belong to, and live there: the leaders a peer passed over in one step's matchmaking (rule
+4: every peer that asks one passes it over alike; ``matchmaking._StepMatch.unreachable``) and the
+members that took a stream but never answered its hello in one round (``tcp.RoundConnections.silent``:
+asked nothing more in that round, asked again in the next)."""
 
 from __future__ import annotations
 
