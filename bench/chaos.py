@@ -439,9 +439,9 @@ class Soak:
         self.count("partition", " ".join(f"trainer{i}" for i in side))
         return True
 
-    def heal(self, now: float) -> None:
+    def heal(self) -> None:
         self.net.heal()
-        self.splits[-1].healed_at = now
+        self.splits[-1].healed_at = time.time()  # (not the pass's start: a fault before it in the pass can block)
         self.note("healed the partition")
 
     def sample_rss(self) -> None:
@@ -495,7 +495,7 @@ class Soak:
                     heal_at = now + args.split_s if self.split(now) else math.inf
                     next_split = now + args.split_s + self.rng.uniform(0.8, 1.2) * args.partition_every
                 if now >= heal_at:
-                    self.heal(now)
+                    self.heal()
                     heal_at = math.inf
                 if now >= next_rss:
                     self.sample_rss()

@@ -969,3 +969,25 @@ def test_a_cooldown_holds_for_its_seconds_then_is_forgotten():
     now[0] = 200.0
     c.start("b", 1.0)  # starting one prunes the expired
     assert set(c._until) == {"b"}
+
+
+def test_a_backbone_refused_as_a_fork_no_longer_sets_the_resync_target():
+    """The partition soak's five StateErrors: after a heal, a backbone held a checkpoint of the
+    outvoted history, past the kept one's newest step. Refused as a fork it stayed in the view (it
+    publishes no fingerprint, by which refused donors were remembered), and a backbone's step is the
+    run's: every resync targeted it and refused every donor there for 120 s. Now a refused backbone
+    is remembered by its step and left out until it publishes another."""
+    from dedloc.errors import ForkError
+    from dedloc.optim.progress import Progress
+    from dedloc.testing.fake_peer import FakePeer, FakeRun
+
+    trainers = [ProgressRecord(f"t{i}", 329, 0, 1.0, Role.TRAINER, fingerprint=f"329:{i:02x}aa") for i in range(3)]
+    backbone = ProgressRecord("bb", 336, 0, 0.0, Role.BACKBONE)
+    view = CollaborationView.build([*trainers, backbone])
+    assert view.global_step == 336
+    progress = Progress(FakePeer(FakeRun(), "me"), 64)
+    kept = progress.refused_forks(ForkError("rewrites step 329", peers=("bb",)), view)
+    assert "bb" not in {r.peer_id for r in kept.peers} and kept.global_step == 329
+    assert progress.without_forks(view).global_step == 329  # while it publishes that step
+    moved = CollaborationView.build([*trainers, replace(backbone, step=340)])
+    assert progress.without_forks(moved).global_step == 340  # another checkpoint: counted again

@@ -24,7 +24,7 @@ from typing import Callable
 from dedloc.errors import ForkError
 from dedloc.optim.claims import ClaimBounds
 from dedloc.optim.port import PeerPort
-from dedloc.records import CollaborationView, ProgressRecord
+from dedloc.records import CollaborationView, ProgressRecord, Role
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Progress:
         self.loss: tuple[int, float, int] = (-1, 0.0, 0)
         """(step, mean loss, samples) of this peer's last finished step (``note_loss``)."""
         self.forks: dict[str, str] = {}
-        """Peer id -> the fingerprint it published when its state was refused as a fork: that record
+        """Peer id -> the fingerprint it published (a backbone: its step) when its state was refused as a fork: that record
         is left out of every view (it is not the collaboration's step) until the peer publishes
         another (it stepped back, or moved on)."""
         self.forks_refused = 0
@@ -178,20 +178,30 @@ class Progress:
         """``view`` less the records whose state this peer refused as a fork (``forks``)."""
         if not self.forks:
             return view
-        published = {r.peer_id: r.fingerprint for r in view.peers}
+        published = {r.peer_id: _fork_key(r) for r in view.peers}
         self.forks = {p: f for p, f in self.forks.items() if published.get(p) == f}
         return view.without(set(self.forks))
 
     def refused_forks(self, error: Exception, view: CollaborationView) -> CollaborationView:
         """Remember the donors that ``error`` (if a ForkError) refused as forks, at the fingerprint
-        they publish in ``view``; returns ``view`` without them."""
+        they publish in ``view`` (a backbone, which publishes none: at its step); returns ``view``
+        without them, until they publish another."""
         if isinstance(error, ForkError):
-            published = {r.peer_id: r.fingerprint for r in view.peers}
+            published = {r.peer_id: _fork_key(r) for r in view.peers}
             for donor in error.peers:
                 self.forks_refused += 1
                 if published.get(donor):
                     self.forks[donor] = published[donor]
         return self.without_forks(view)
+
+
+def _fork_key(record: ProgressRecord) -> str:
+    """What a donor refused as a fork is remembered by: the fingerprint it publishes, or, for a
+    backbone (which publishes none), its step. Left in the view, a backbone holding a forked
+    checkpoint kept the resync target at its step (a backbone's step is the run's): after a heal in
+    the partition soak, five trainers refused every donor at that step for 120 s and raised
+    StateError."""
+    return record.fingerprint or (f"{record.step}:" if record.role == Role.BACKBONE else "")
 
 
 __all__ = ["Progress", "Facts", "far_from_target", "Seen", "Ema", "FAR_MARGIN", "MAX_VIEW_AGE"]
