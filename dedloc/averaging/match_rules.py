@@ -129,9 +129,9 @@ def declines_lone_lead(members: dict[str, Member], others_at_step: bool, decline
     a group of one (rule 13), and taking it would fork the step. Later it closes (a peer that can
     never join, e.g. a NAT'd one whose joins fail, holds it back only once), unless a trainer that was
     at the step at the first decline is still there and has published nothing since
-    (``silent_since``): two such trainers, frozen while they accumulated, came back and took the step
-    again together, a fork (the CI chaos soak: a lone trainer took steps 24-26 while two others were
-    stopped). So it waits for them to come back, or for their records to lapse."""
+    (``silent_since``): two such trainers, frozen while they accumulated, would come back and take
+    the step again together (a fork). So it waits for them to come back, or for their records to
+    lapse."""
     if not one_contributor(members) or not others_at_step:
         return False
     return declined is None or bool(silent_since(declined, now_beside))

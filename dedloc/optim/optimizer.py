@@ -236,9 +236,9 @@ class CollaborativeOptimizer:
         elsewhere) longer than its progress record lives to find the run past its step; then it
         drops its gradients and downloads the run's state, as a newcomer would, and True. Its record
         lapsed meanwhile, so the others went on without it; it reads the run with its own record
-        marked resyncing, so that the step it holds attests nothing: two trainers stopped for longer
-        than that came back at a step a third had taken alone meanwhile, and took it again together
-        (a fork). Both clocks count: a suspended machine's monotonic clock stands still."""
+        marked resyncing, so that the step it holds attests nothing: otherwise two trainers back at a
+        step that a third took alone meanwhile would take it again together (a fork). Both clocks
+        count: a suspended machine's monotonic clock stands still."""
         if self._returned_at is None or self.sync.syncing:
             return False
         mono, wall = self._returned_at

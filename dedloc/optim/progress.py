@@ -198,9 +198,8 @@ class Progress:
 def _fork_key(record: ProgressRecord) -> str:
     """What a donor refused as a fork is remembered by: the fingerprint it publishes, or, for a
     backbone (which publishes none), its step. Left in the view, a backbone holding a forked
-    checkpoint kept the resync target at its step (a backbone's step is the run's): after a heal in
-    the partition soak, five trainers refused every donor at that step for 120 s and raised
-    StateError."""
+    checkpoint would keep every resync's target at its step (a backbone's step is the run's), where
+    every donor is refused, until the resync gives up."""
     return record.fingerprint or (f"{record.step}:" if record.role == Role.BACKBONE else "")
 
 
