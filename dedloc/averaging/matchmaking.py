@@ -635,10 +635,10 @@ class Matchmaker:
     async def _lone_lead_check(self, step: int, state: _Lead) -> CollaborationView:
         """Rule 9 for a lead of one that saw no ready peer, by the progress records: raises if they
         cannot be read (MatchmakingError) or show the step taken (MissedRoundError, rule 10), else
-        returns whether they show another training peer accumulating for ``step`` (not resyncing):
-        its ready record did not reach this peer in time, so the lead is checked like one whose
-        ready peers never joined (a peer woken from a freeze would otherwise take the step alone
-        while the others take it together)."""
+        returns them. A training peer they show accumulating for ``step`` (not resyncing,
+        ``match_rules.trainers_outside``) is one whose ready record did not reach this peer in time,
+        so the caller checks the lead like one whose ready peers never joined (a peer woken from a
+        freeze would otherwise take the step alone while the others take it together)."""
         view = await self._view()
         if view is None or view.took(step, exclude=self.me):
             # A peer woken from a freeze as the step's closed records expired, whose look at the progress
@@ -665,9 +665,7 @@ class Matchmaker:
         declined = st.declined
         if not match_rules.declines_lone_lead(state.members, others or bool(beside), declined, beside):
             return
-        memory = st.declined = {**(declined or {})}
-        for peer, published in beside.items():
-            memory.setdefault(peer, published)
+        st.declined = {**beside, **(declined or {})}  # each peer's record as first seen beside a decline
         if declined is None:
             self._note(step, "declined", "not taking the step with one contributor while other peers are ready "
                                          "for it or training at it; trying again with them")
