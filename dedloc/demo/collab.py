@@ -232,10 +232,13 @@ def _summarise(cfg: DemoConfig, recipe: MLMRecipe, display, finals: dict[int, An
     diff = max((float((a - b).abs().max()) for i, a in enumerate(params) for b in params[i + 1:]), default=0.0)
     realised = {r["step"]: r["batch"] for h in histories.values() for r in h}
     batch_per_step = [realised.get(s, display.batch.get(s)) for s in steps]
+    local = {(i, r["step"]): r["local_samples"] for i, h in histories.items() for r in h}
+    samples_per_trainer = [[local.get((i, s)) for i in sorted(histories)] for s in steps]
     summary = {
         "steps": len(steps), **loss_summary(curve),
         "peers": cfg.trainers + 1, "trainers": cfg.trainers, "backbones": 1, "client_mode_trainers": 1,
         "target_batch_size": recipe.target_batch_size, "batch_per_step": batch_per_step,
+        "samples_per_trainer": samples_per_trainer,
         "max_param_diff": diff, "resyncs": display.resyncs, "wall_s": round(wall, 1), "invite_only": cfg.invite_only,
         "loss_per_step": curve, "config": dataclasses.asdict(cfg), "recipe": dataclasses.asdict(recipe),
     }
