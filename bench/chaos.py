@@ -622,6 +622,7 @@ class Soak:
         partitions = [{"side": [f"trainer{i}" for i in sp.trainers], "cut_off_kept": sp.cut_off_kept, "from_s": round(sp.at - start, 1),
                        "to_s": None if sp.healed_at is None else round(sp.healed_at - start, 1),
                        "island_steps": sorted({e["applied"] for e in islands if e["e"] == "applied"
+                                               and e.get("via") != "join"  # a restart's first parameters
                                                and e["trainer"] in sp.trainers and sp.island(e["trainer"], e["t"])})[:50]}
                       for sp in self.splits]
         rounds = [e for e in events if e["e"] == "round" and not e["skipped"]]
