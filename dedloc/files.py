@@ -1,10 +1,13 @@
-"""Files that a crash never leaves torn: checkpoints, the run memory, the ledger, data positions, revocations."""
+"""Files that a crash never leaves torn (checkpoints, the run memory, the ledger, data positions,
+revocations), and the directories they go in."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
+
+from dedloc.errors import ConfigError
 
 
 def write_atomically(path: str | os.PathLike, data: bytes | str) -> None:
@@ -29,4 +32,20 @@ def write_atomically(path: str | os.PathLike, data: bytes | str) -> None:
         os.close(dir_fd)
 
 
-__all__ = ["write_atomically"]
+def make_dir(path: str | os.PathLike, what: str) -> Path:
+    """Create the directory ``path`` (and its parents) if missing, for ``what`` (the option that named
+    it, e.g. ``--state-dir``). ConfigError naming both and the reason when it cannot be used: a file
+    in the way, a parent that cannot be created, or no permission to write in it."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"{what} {path}: a file that is not a directory is in the way") from None
+    except OSError as e:
+        raise ConfigError(f"{what} {path}: cannot create this directory ({e.strerror or e})") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {path}: this directory is not writable by this user")
+    return p
+
+
+__all__ = ["write_atomically", "make_dir"]

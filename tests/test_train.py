@@ -118,3 +118,21 @@ def test_two_trainers_then_a_restart_resumes_identity_state_and_data(tmp_path):
         finally:
             if backbone.poll() is None:
                 os.killpg(backbone.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["identity", "--identity-path", "{file}/id.key"], "--identity-path's directory {file}: a file that is not a directory"),
+    (["identity", "--identity-path", "{tmp}"], "--identity-path {tmp}: a directory"),
+    (["run", "init", "--dir", "{file}/run", "--run-id", "r"], "--dir {file}/run: cannot create"),
+    (["backbone", "--run-id", "r", "--checkpoint-dir", "{file}"], "--checkpoint-dir {file}: a file that is not a directory"),
+    (["train", "--run-id", "r", "--state-dir", "{file}"], "--state-dir {file}: a file that is not a directory"),
+])
+def test_a_directory_that_cannot_be_used_is_refused_naming_the_option_not_with_a_traceback(tmp_path, capsys, argv,
+                                                                                         says):
+    """`dedloc train --state-dir t.txt` raised FileExistsError from deep inside (issue 41); every
+    directory a command creates is refused by the option that named it, before any peer starts."""
+    (tmp_path / "t.txt").write_text("not a directory")
+    paths = {"file": str(tmp_path / "t.txt"), "tmp": str(tmp_path)}
+    assert main([a.format(**paths) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert says.format(**paths) in err and "Traceback" not in err, err

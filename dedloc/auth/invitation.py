@@ -21,6 +21,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from dedloc.files import make_dir
 from dedloc.errors import ConfigError, Unauthorized
 from dedloc.files import write_atomically
 from dedloc.auth.identity import raw_public, write_private
@@ -156,7 +157,7 @@ class RunOwner:
 
     @classmethod
     def init(cls, directory: str, run_id: str) -> "RunOwner":
-        os.makedirs(directory, exist_ok=True)
+        make_dir(directory, "--dir")
         key = ed25519.Ed25519PrivateKey.generate()
         pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())

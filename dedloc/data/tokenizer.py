@@ -13,6 +13,7 @@ import os
 from typing import Iterable, Iterator
 
 from dedloc.errors import ConfigError, DataError
+from dedloc.files import make_dir
 
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 SPECIAL = [PAD, UNK, CLS, SEP, MASK]
@@ -59,7 +60,7 @@ def wrap(tok):
 
 def save_tokenizer(tokenizer, path: str) -> None:
     """Write ``tokenizer`` as a ``transformers`` tokenizer directory at ``path``."""
-    os.makedirs(path, exist_ok=True)
+    make_dir(path, "the tokenizer's directory")
     tokenizer.save_pretrained(path)
 
 

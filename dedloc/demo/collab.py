@@ -24,6 +24,7 @@ import torch
 from dedloc.config import AveragingConfig, BackboneConfig, PeerConfig
 from dedloc.data.mlm import DataConfig
 from dedloc.errors import ConfigError, DedlocError
+from dedloc.files import make_dir
 from dedloc.recipes.mlm import MLMRecipe
 
 
@@ -147,7 +148,7 @@ def run(cfg: DemoConfig, recipe: MLMRecipe | None = None, log_level: str = "WARN
     console = Console()
     t0 = time.monotonic()
     workdir = Path(cfg.out) if cfg.out else Path(tempfile.mkdtemp(prefix="dedloc-demo-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    make_dir(workdir, "--out")
     corpus, tok_dir = prepare(cfg, recipe, workdir, console)
     data = DataConfig(data=(str(corpus),), shuffle_buffer=256, data_workers=1)
     run_id = "demo-" + uuid.uuid4().hex[:8]

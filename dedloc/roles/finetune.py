@@ -24,6 +24,7 @@ import torch
 
 from dedloc.errors import ConfigError, DataError
 from dedloc.extras import require
+from dedloc.files import make_dir
 from dedloc.recipes.mlm import MLMRecipe
 
 TASKS = ("ner", "classification")
@@ -205,7 +206,7 @@ def finetune(config: FinetuneConfig, recipe: MLMRecipe) -> dict[str, float]:
     result = {k.removeprefix("eval_"): float(v) for k, v in trainer.evaluate().items()}
     result.update(task=config.task, train_examples=len(train), validation_examples=len(valid),
                   encoder_tensors_loaded=len(loaded))
-    os.makedirs(config.out, exist_ok=True)
+    make_dir(config.out, "--out")
     with open(os.path.join(config.out, "metrics.json"), "w") as f:
         json.dump({"metrics": result, "config": dataclasses.asdict(config), "labels": names}, f, indent=2)
     return result

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 
+from dedloc.files import make_dir
 from dedloc.auth.invitation import RunOwner
 from dedloc.errors import ConfigError
 from dedloc.auth.identity import create_identity, load_identity, peer_id_of, public_key_of
@@ -49,8 +50,10 @@ def revoke(directory: str, peer_id: str) -> str:
 
 def identity(path: str) -> str:
     """The peer id of the identity at ``path``, created (Ed25519, mode 0600) if missing."""
+    if os.path.isdir(path):
+        raise ConfigError(f"--identity-path {path}: a directory; give the path of a key file (created if missing)")
     if not os.path.exists(path):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        make_dir(os.path.dirname(os.path.abspath(path)), "--identity-path's directory")
         return create_identity(path)
     try:
         return peer_id_of(load_identity(path).public_key())

@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dedloc.files import make_dir
+
 
 def write_outputs(out: str, summary: dict[str, Any], steps: list[int], curve: list[float], title: str) -> list[Path]:
     """Write ``summary.json`` and the loss curve ``loss.png`` into ``out`` (created); returns the paths."""
-    path = Path(out)
-    path.mkdir(parents=True, exist_ok=True)
+    path = make_dir(out, "--out")
     (path / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_loss(steps, curve, path / "loss.png", title)
     return [path / "summary.json", path / "loss.png"]

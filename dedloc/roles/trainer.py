@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from dedloc.files import make_dir
 from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
 from dedloc.data.mlm import BatchSpec, DataConfig, loader
 from dedloc.errors import ConfigError
@@ -104,7 +105,7 @@ class Trainer:
 
         self.config, self.recipe, self.data = config.validate(), recipe.validate(), data.validate()
         self.state_dir = config.state_dir or os.path.join("dedloc-state", peer_config.run_id)
-        os.makedirs(self.state_dir, exist_ok=True)
+        make_dir(self.state_dir, "--state-dir")
         if peer_config.identity_path is None:
             peer_config = dataclasses.replace(peer_config, identity_path=os.path.join(self.state_dir, "identity.key"))
         self.device = pick_device(config.device)

@@ -12,6 +12,7 @@ import os
 import re
 from pathlib import Path
 
+from dedloc.files import make_dir
 from dedloc.errors import ProtocolError
 from dedloc.files import write_atomically
 from dedloc.state import snapshot
@@ -24,7 +25,7 @@ class CheckpointStore:
     def __init__(self, directory: str | os.PathLike, keep: int = 3):
         self.dir = Path(directory)
         self.keep = keep
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = make_dir(directory, "--checkpoint-dir")
         for stale in self.dir.glob(".state-*.tmp"):  # left by a crash mid-write (files.write_atomically)
             stale.unlink(missing_ok=True)
 
