@@ -85,6 +85,24 @@ def from_args(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = ()) -
     return from_dict(cls, {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in skip})
 
 
+KEY_OPTIONS = ("--owner", "--invite")
+"""Options whose value is a key or token in URL-safe base64: one in 64 starts with ``-``."""
+
+
+def _glue_keys(argv: list[str]) -> list[str]:
+    """``--owner -Xy...`` as ``--owner=-Xy...``: argparse reads a value starting with ``-`` as an
+    option (about one owner key in 64 did not work pasted as printed)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in KEY_OPTIONS and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def _recipe_named(argv: list[str] | None) -> str:
     """The ``--recipe`` on the command line (its fields' defaults depend on it)."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -106,6 +124,7 @@ def _dump_stacks_on_sigusr1() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _dump_stacks_on_sigusr1()
+    argv = _glue_keys(sys.argv[1:] if argv is None else list(argv))
     from dedloc.config import PUBLIC_HOST_MADDRS, AveragingConfig, BackboneConfig, MonitorConfig, PeerConfig
     from dedloc.data.mlm import DataConfig
     from dedloc.data.tokenizer import TokenizerConfig

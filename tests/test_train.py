@@ -136,3 +136,14 @@ def test_a_directory_that_cannot_be_used_is_refused_naming_the_option_not_with_a
     assert main([a.format(**paths) for a in argv]) == 2
     err = capsys.readouterr().err
     assert says.format(**paths) in err and "Traceback" not in err, err
+
+
+def test_an_owner_key_and_an_invitation_starting_with_a_dash_are_read_as_pasted(tmp_path, capsys):
+    """About one owner key in 64 (URL-safe base64) starts with ``-``: `dedloc train --owner -Xy...`,
+    pasted as `dedloc run init` prints it, failed with "expected one argument" (issue 41). The values
+    reach the peer's configuration: here it goes on to refuse the state directory."""
+    (tmp_path / "t.txt").write_text("not a directory")
+    assert main(["train", "--run-id", "r", "--owner", "-" + "A" * 42, "--invite", "-" + "B" * 60,
+                 "--state-dir", str(tmp_path / "t.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "expected one argument" not in err and "--state-dir" in err, err
