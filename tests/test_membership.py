@@ -337,9 +337,26 @@ def test_an_invitation_file_that_cannot_be_read_fails_at_start_by_name(tmp_path)
     owner = RunOwner.init(str(tmp_path / "run"), run_id())
     config = member(owner, tmp_path, "a")
     missing = str(tmp_path / "no-such-file")
-    with pytest.raises(ConfigError, match="cannot read the invitation file .*no-such-file"):
+    with pytest.raises(ConfigError, match="no invitation file .*no-such-file"):
         make_authorizer(owner.run_id, owner.public, missing, Invitation.verify(
             config.invite, owner_public_key(owner.public), owner.run_id).peer_id)
+    with pytest.raises(ConfigError, match="cannot read the invitation file"):
+        make_authorizer(owner.run_id, owner.public, str(tmp_path), "x")  # a directory
+
+
+def test_an_invitation_cut_short_when_pasted_is_refused_saying_so(tmp_path):
+    """A token whose start was lost was read as a file name ("cannot read the invitation file
+    hKFy...", issue 41), one whose end was lost as "not signed by this run's owner"."""
+    owner = RunOwner.init(str(tmp_path / "run"), run_id())
+    token = member(owner, tmp_path, "a").invite
+    peer = Invitation.verify(token, owner_public_key(owner.public), owner.run_id).peer_id
+    cases = {token[5:]: "is neither an invitation (a token starts with 'inv1.': was its start cut off?) nor a file",
+             token[:-3]: "is incomplete: its signature has 62 of 64 bytes",
+             token[:40]: "is malformed or incomplete"}
+    for cut, says in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            make_authorizer(owner.run_id, owner.public, cut, peer)
+    assert make_authorizer(owner.run_id, owner.public, token, peer).credential() == token
 
 
 @pytest.mark.alone  # a 1 s grace: under a second test's load the member's proof could come later

@@ -117,6 +117,12 @@ class InviteOnly(Authorizer):
         try:
             with open(self.path) as f:
                 return f.read().strip()
+        except FileNotFoundError:
+            if os.sep not in self.path and len(self.path) > 40:  # a token whose start was cut off when pasted
+                raise ConfigError(f"invalid config: invite: {self.path[:12]}... is neither an invitation (a token "
+                                  f"starts with '{Invitation.START}': was its start cut off?) nor a file") from None
+            raise ConfigError(f"invalid config: invite: no invitation file {self.path} (a token starts with "
+                              f"'{Invitation.START}')") from None
         except OSError as e:
             raise ConfigError(f"invalid config: invite: cannot read the invitation file {self.path}: "
                               f"{e.strerror or e}") from None

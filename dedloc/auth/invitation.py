@@ -58,16 +58,23 @@ def _sign(key: ed25519.Ed25519PrivateKey, domain: bytes, prefix: str, payload: d
     return f"{prefix}.{b64(body)}.{b64(key.sign(domain + body))}"
 
 
+SIGNATURE_BYTES = 64
+"""An Ed25519 signature's length."""
+
+
 def _open(token: str, owner: ed25519.Ed25519PublicKey, domain: bytes, prefix: str, limit: int, what: str) -> dict:
     if not isinstance(token, str) or len(token) > limit:
         raise Unauthorized(f"{what} is not a string of at most {limit} characters")
     parts = token.split(".")
     if len(parts) != 3 or parts[0] != prefix:
-        raise Unauthorized(f"{what} is malformed (expected {prefix}.<payload>.<signature>)")
+        raise Unauthorized(f"{what} is malformed or incomplete (expected {prefix}.<payload>.<signature>)")
     try:
         body, signature = unb64(parts[1]), unb64(parts[2])
     except (ValueError, binascii.Error):
-        raise Unauthorized(f"{what} is not base64url") from None
+        raise Unauthorized(f"{what} is not base64url (was all of it copied?)") from None
+    if len(signature) != SIGNATURE_BYTES:  # the end cut off when pasted, most often
+        raise Unauthorized(f"{what} is incomplete: its signature has {len(signature)} of {SIGNATURE_BYTES} bytes "
+                           f"(was all of it copied?)")
     try:
         owner.verify(signature, domain + body)
     except InvalidSignature:
@@ -94,10 +101,13 @@ class Invitation:
     run's (records.py ``CollaborationView.global_step``). A member without it that claims the role
     is not counted (service.py)."""
 
+    START = _PREFIX + "."
+    """How every invitation token begins."""
+
     @staticmethod
     def is_token(text: str) -> bool:
         """Whether ``text`` has an invitation token's form (else a config names a file holding one)."""
-        return text.startswith(_PREFIX + ".")
+        return text.startswith(Invitation.START)
 
     @classmethod
     def verify(cls, token: str, owner: ed25519.Ed25519PublicKey, run_id: str, now: float | None = None) -> "Invitation":
