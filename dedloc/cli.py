@@ -103,6 +103,18 @@ def _glue_keys(argv: list[str]) -> list[str]:
     return out
 
 
+def _version() -> str:
+    """The installed distribution's version, with the versions peers must share (hivemind, torch)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+    return f"{of('dedloc')} (hivemind {of('hivemind')}, torch {of('torch')}, Python {sys.version.split()[0]})"
+
+
 def _recipe_named(argv: list[str] | None) -> str:
     """The ``--recipe`` on the command line (its fields' defaults depend on it)."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -136,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe_name = _recipe_named(argv)
     recipe_defaults = dataclasses.asdict(RECIPES.get(recipe_name, RECIPES["tiny-mlm"]))
     parser = argparse.ArgumentParser(prog="dedloc", description="Collaborative deep learning (DeDLOC).")
+    parser.add_argument("--version", action="version", version=f"dedloc {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run a local collaboration pretraining a small ALBERT on this machine")
     demo.add_argument("--averaging", action="store_true",

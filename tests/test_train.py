@@ -138,6 +138,13 @@ def test_a_directory_that_cannot_be_used_is_refused_naming_the_option_not_with_a
     assert says.format(**paths) in err and "Traceback" not in err, err
 
 
+def test_version_names_dedloc_and_the_versions_peers_must_share(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    out = capsys.readouterr().out
+    assert exit.value.code == 0 and out.startswith("dedloc 0.") and "hivemind 1.1.12" in out and "torch " in out, out
+
+
 def test_an_owner_key_and_an_invitation_starting_with_a_dash_are_read_as_pasted(tmp_path, capsys):
     """About one owner key in 64 (URL-safe base64) starts with ``-``: `dedloc train --owner -Xy...`,
     pasted as `dedloc run init` prints it, failed with "expected one argument" (issue 41). The values
