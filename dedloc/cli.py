@@ -308,17 +308,23 @@ def _backbone(peer_config, backbone_config) -> int:
 def _monitor(peer_config, monitor_config) -> int:
     from dedloc.roles.monitor import Monitor
 
+    if not peer_config.initial_peers:  # it accepts no connections: alone, it could only watch itself
+        raise DedlocError("dedloc monitor needs --initial-peers: the address of a peer in the run (the backbone "
+                          "prints it)")
     return _serve(lambda: Monitor(peer_config, monitor_config), "monitor", peer_config.log_level)
 
 
 def _aggregator(peer_config, averaging_config) -> int:
     from dedloc.roles.aggregator import Aggregator
 
-    return _serve(lambda: Aggregator(peer_config, averaging_config), "aggregator", peer_config.log_level)
+    return _serve(lambda: Aggregator(peer_config, averaging_config), "aggregator", peer_config.log_level,
+                  peer_config.initial_peers)
 
 
-def _serve(make, what: str, log_level: str) -> int:
-    """Run a role until SIGTERM or Ctrl+C, then close it (no daemon or socket is left behind)."""
+def _serve(make, what: str, log_level: str, initial_peers: tuple[str, ...] | None = None) -> int:
+    """Run a role until SIGTERM or Ctrl+C, then close it (no daemon or socket is left behind).
+    ``initial_peers``: for a role that joins a run (not the backbone, which may start one), the
+    addresses it was given; none is said loudly (it would watch or serve an empty run)."""
     from dedloc.logs import configure
 
     configure(log_level)
@@ -326,7 +332,12 @@ def _serve(make, what: str, log_level: str) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        print(f"{what} peer running; others join with --initial-peers " + " ".join(node.maddrs), flush=True)
+        if initial_peers is not None and not initial_peers:
+            print(f"warning: no --initial-peers: this {what} is alone in its run; pass the address of a peer in "
+                  f"the run (the backbone prints it)", file=sys.stderr, flush=True)
+        print(f"{what} peer running; " + ("others join with --initial-peers " + " ".join(node.maddrs) if node.maddrs
+                                          else "it accepts no connections: others join through another peer"),
+              flush=True)
         node.run(stop)
     except KeyboardInterrupt:
         pass

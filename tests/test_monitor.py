@@ -320,3 +320,13 @@ def test_a_taken_port_is_a_clear_error_not_a_traceback():
             await first.close()
 
     asyncio.run(main())
+
+
+
+def test_a_monitor_given_no_initial_peers_is_refused_before_it_starts(capsys):
+    """`dedloc monitor --run-id R` without --initial-peers watched an empty run and printed "others
+    join with --initial-peers " with nothing after it (issue 41): a monitor accepts no connections."""
+    from dedloc.cli import main
+
+    assert main(["monitor", "--run-id", "r"]) == 2
+    assert "dedloc monitor needs --initial-peers" in capsys.readouterr().err

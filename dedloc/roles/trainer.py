@@ -117,6 +117,9 @@ class Trainer:
             first_text(spec, data.text_column)
         averaging = dataclasses.replace(averaging or AveragingConfig(), compression=recipe.wire)
         self.peer = Peer(peer_config, averaging)
+        if not peer_config.initial_peers:
+            logger.warning(f"no --initial-peers: this peer starts run {peer_config.run_id!r} alone; others join "
+                           f"with --initial-peers {' '.join(self.peer.maddrs) or '(none: this peer accepts no connections)'}")
         self.batches: Any = None
         self.opt: Any = None
         try:
