@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     from dedloc.roles.trainer import TrainConfig
 
     recipe_name = _recipe_named(argv)
+    if recipe_name not in RECIPES:  # before --help, whose defaults come from the recipe
+        print(f"dedloc: error: unknown recipe {recipe_name!r} (known: {', '.join(RECIPES)})", file=sys.stderr)
+        return 2
     recipe_defaults = dataclasses.asdict(RECIPES.get(recipe_name, RECIPES["tiny-mlm"]))
     parser = argparse.ArgumentParser(prog="dedloc", description="Collaborative deep learning (DeDLOC).")
     parser.add_argument("--version", action="version", version=f"dedloc {_version()}")
@@ -231,8 +234,6 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
             return 0 if ok else 1
         if args.command == "train":
-            if args.recipe not in RECIPES:
-                raise DedlocError(f"unknown recipe {args.recipe!r} (known: {', '.join(RECIPES)})")
             from dedloc.roles.train_command import train
 
             return train(from_args(TrainConfig, args), from_args(MLMRecipe, args), from_args(DataConfig, args),

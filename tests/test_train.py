@@ -154,3 +154,11 @@ def test_an_owner_key_and_an_invitation_starting_with_a_dash_are_read_as_pasted(
                  "--state-dir", str(tmp_path / "t.txt")]) == 2
     err = capsys.readouterr().err
     assert "expected one argument" not in err and "--state-dir" in err, err
+
+
+@pytest.mark.parametrize("command", [["tokenizer", "--data", "x.jsonl"], ["train", "--help"], ["finetune", "--help"]])
+def test_an_unknown_recipe_is_refused_before_anything_even_help(capsys, command):
+    """`dedloc tokenizer --recipe albert-large` trained a 3,000-word vocabulary and `dedloc train
+    --recipe albert-large --help` showed the tiny recipe's defaults (issue 41)."""
+    assert main([command[0], "--recipe", "albert-large", *command[1:]]) == 2
+    assert "unknown recipe 'albert-large' (known: tiny-mlm, albert-mlm)" in capsys.readouterr().err
