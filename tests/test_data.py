@@ -82,6 +82,12 @@ def test_bad_sources_fail_at_start_naming_the_source(corpus, tmp_path):
         first_text(str(tmp_path / "empty.jsonl"))
     with pytest.raises(DataError, match="no training data"):
         open_sources([])
+    # weights that do not fit the sources: refused by the config, before the peer joins (issue 41: first
+    # inside a DataLoader worker, after joining)
+    with pytest.raises(DataError, match="--data-weights: 2 weights for 1 sources"):
+        DataConfig(data=(corpus["jsonl"][0],), data_weights=(1.0, 2.0)).validate()
+    with pytest.raises(DataError, match="--data-weights: weights must be >= 0 and not all 0"):
+        DataConfig(data=(corpus["jsonl"][0],), data_weights=(0.0,)).validate()
 
 
 def take(stream, n):

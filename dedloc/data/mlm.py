@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
+from dedloc.data.sources import check_weights
 from dedloc.errors import ConfigError
 
 TEXTS_PER_CHUNK = 64
@@ -44,6 +45,7 @@ class DataConfig:
             raise ConfigError("invalid config: shuffle_buffer must be >= 1")
         if not 0 <= self.data_workers <= 64:
             raise ConfigError("invalid config: data_workers must be in [0, 64]")
+        check_weights(self.data, self.data_weights)  # here, not first in a DataLoader worker after joining
         return self
 
 

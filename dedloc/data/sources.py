@@ -97,16 +97,21 @@ def open_source(source: Source, text_column: str = "text") -> Any:
     return ds.map(text_of, remove_columns=[n for n in names] if names else None)
 
 
+def check_weights(specs: Sequence[str], weights: Sequence[float]) -> None:
+    """DataError unless ``weights`` is empty or gives each of ``specs`` a weight >= 0, not all 0."""
+    if weights and len(weights) != len(specs):
+        raise DataError(f"--data-weights: {len(weights)} weights for {len(specs)} sources")
+    if weights and (any(w < 0 for w in weights) or sum(weights) <= 0):
+        raise DataError("--data-weights: weights must be >= 0 and not all 0")
+
+
 def open_sources(specs: Sequence[str], text_column: str = "text", weights: Sequence[float] = (),
                  seed: int = 0) -> Any:
     """All sources interleaved into one stream of ``{"text": ...}`` examples."""
     interleave_datasets = require("datasets").interleave_datasets
     if not specs:
         raise DataError("no training data: name at least one source with --data")
-    if weights and len(weights) != len(specs):
-        raise DataError(f"--data-weights: {len(weights)} weights for {len(specs)} sources")
-    if weights and (any(w < 0 for w in weights) or sum(weights) <= 0):
-        raise DataError("--data-weights: weights must be >= 0 and not all 0")
+    check_weights(specs, weights)
     streams = [open_source(parse_source(s), text_column) for s in specs]
     if len(streams) == 1:
         return streams[0]
