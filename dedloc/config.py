@@ -103,7 +103,11 @@ class PeerConfig:
                "needs a publicly reachable peer (reachability 'auto' or 'public')")
         _check(bool(self.run_id) and all(c.isalnum() or c in "-_" for c in self.run_id), "run_id",
                f"must be non-empty letters, digits, '-' or '_' (got {self.run_id!r})")
-        for addr in tuple(self.initial_peers) + tuple(self.host_maddrs) + tuple(self.announce_maddrs) + tuple(self.relays):
+        for addr in self.initial_peers:  # '1.2.3.4:31337' is what people try first
+            _check(isinstance(addr, str) and addr.startswith("/"), "initial_peers",
+                   f"{addr!r} is not a multiaddr: give the address a peer of the run prints, such as "
+                   f"/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... (the backbone prints its own at start)")
+        for addr in tuple(self.host_maddrs) + tuple(self.announce_maddrs) + tuple(self.relays):
             _check(isinstance(addr, str) and addr.startswith("/"), "multiaddr", f"must start with '/' (got {addr!r})")
         _check(not (self.invite and not self.owner), "invite", "needs the run owner's public key (owner)")
         _check(not (self.revocations and not self.owner), "revocations", "needs the run owner's public key (owner)")
