@@ -218,7 +218,7 @@ def test_one_members_far_step_is_not_the_runs():
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="run_id"):
         PeerConfig(run_id="bad id!").validate()
-    with pytest.raises(ConfigError, match=r"initial_peers: 'localhost:1234' is not a multiaddr: .* such as /ip4/"):
+    with pytest.raises(ConfigError, match=r"initial_peers 'localhost:1234' is not a multiaddr: .* such as /ip4/"):
         PeerConfig(initial_peers=("localhost:1234",)).validate()
     with pytest.raises(ConfigError, match="multiaddr"):
         PeerConfig(host_maddrs=("0.0.0.0:1234",)).validate()
