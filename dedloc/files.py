@@ -3,9 +3,11 @@ revocations), and the directories they go in."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 from pathlib import Path
+from typing import IO
 
 from dedloc.errors import ConfigError
 
@@ -48,4 +50,25 @@ def make_dir(path: str | os.PathLike, what: str) -> Path:
     return p
 
 
-__all__ = ["write_atomically", "make_dir"]
+def hold_dir(path: str | os.PathLike, what: str) -> IO[str]:
+    """Hold the directory ``path`` for this process alone until the returned file is closed (or the
+    process ends): two peers started from one directory shared one identity, seen by the others as
+    one peer restarting over and over. ConfigError naming ``what`` and the holder's pid if another
+    process holds it."""
+    lock = open(Path(path) / ".lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise ConfigError(f"{what} {path} is in use by another dedloc process (pid {holder}); give each peer on "
+                          f"this machine its own") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
+
+
+__all__ = ["write_atomically", "make_dir", "hold_dir"]

@@ -162,3 +162,20 @@ def test_an_unknown_recipe_is_refused_before_anything_even_help(capsys, command)
     --recipe albert-large --help` showed the tiny recipe's defaults (issue 41)."""
     assert main([command[0], "--recipe", "albert-large", *command[1:]]) == 2
     assert "unknown recipe 'albert-large' (known: tiny-mlm, albert-mlm)" in capsys.readouterr().err
+
+
+def test_two_peers_given_one_state_directory_are_refused_instead_of_sharing_an_identity(tmp_path, capsys):
+    """Two `dedloc train` on one machine from one directory shared the default state directory, and
+    with it one identity: the others saw one peer restarting over and over (issue 41)."""
+    from dedloc.files import hold_dir
+
+    state = tmp_path / "state"
+    state.mkdir()
+    held = hold_dir(state, "--state-dir")  # as a running trainer holds it
+    try:
+        assert main(["train", "--run-id", "r", "--state-dir", str(state)]) == 2
+        assert f"--state-dir {state} is in use by another dedloc process (pid {os.getpid()})" in capsys.readouterr().err
+    finally:
+        held.close()
+    assert main(["train", "--run-id", "r", "--state-dir", str(state)]) == 2  # free again: on to the next check
+    assert "no tokenizer" in capsys.readouterr().err

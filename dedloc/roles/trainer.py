@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from dedloc.files import make_dir
+from dedloc.files import hold_dir, make_dir
 from dedloc.config import AveragingConfig, OptimizerConfig, PeerConfig
 from dedloc.data.mlm import BatchSpec, DataConfig, loader
 from dedloc.errors import ConfigError
@@ -96,6 +96,18 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, recipe: MLMRecipe, data: DataConfig, peer_config: PeerConfig,
                  averaging: AveragingConfig | None = None):
+        self.config, self.recipe, self.data = config.validate(), recipe.validate(), data.validate()
+        self.state_dir = config.state_dir or os.path.join("dedloc-state", peer_config.run_id)
+        make_dir(self.state_dir, "--state-dir")
+        self._held = hold_dir(self.state_dir, "--state-dir")  # its identity, data position and state are this peer's
+        try:
+            self._start(config, recipe, data, peer_config, averaging)
+        except BaseException:
+            self._held.close()
+            raise
+
+    def _start(self, config: TrainConfig, recipe: MLMRecipe, data: DataConfig, peer_config: PeerConfig,
+               averaging: AveragingConfig | None) -> None:
         from dedloc.data.position import DataPosition
         from dedloc.data.sources import first_text
         from dedloc.data.stream import peer_seed
@@ -103,9 +115,6 @@ class Trainer:
         from dedloc.optim import CollaborativeOptimizer
         from dedloc.peer import Peer
 
-        self.config, self.recipe, self.data = config.validate(), recipe.validate(), data.validate()
-        self.state_dir = config.state_dir or os.path.join("dedloc-state", peer_config.run_id)
-        make_dir(self.state_dir, "--state-dir")
         if peer_config.identity_path is None:
             peer_config = dataclasses.replace(peer_config, identity_path=os.path.join(self.state_dir, "identity.key"))
         self.device = pick_device(config.device)
@@ -235,4 +244,7 @@ class Trainer:
             shutdown = getattr(batches, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
-            self.peer.close()
+            try:
+                self.peer.close()
+            finally:
+                self._held.close()
