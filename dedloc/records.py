@@ -23,6 +23,12 @@ MAX_WEIGHT = float(1 << 40)
 """No weight (samples toward one step) above 2^40 is accepted anywhere (averaging/bounds.py)."""
 
 
+def short_id(peer_id: str) -> str:
+    """How a peer id is shown to people: its last 8 characters (every libp2p Ed25519 id begins with the
+    same ``12D3KooW``). The dashboard's page cuts them the same way."""
+    return peer_id[-8:]
+
+
 def weight_ok(weight: float) -> bool:
     return math.isfinite(weight) and 0 <= weight <= MAX_WEIGHT
 

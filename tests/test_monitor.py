@@ -21,7 +21,7 @@ from dedloc.config import AveragingConfig, BackboneConfig, PeerConfig
 from dedloc.monitor.collector import Collector
 from dedloc.monitor.ledger import Ledger
 from dedloc.peer import Peer
-from dedloc.records import CreditRecord, LedgerRecord, ProgressRecord, Role, RoundReport
+from dedloc.records import CreditRecord, LedgerRecord, ProgressRecord, Role, RoundReport, short_id
 from dedloc.roles.backbone import Backbone
 from dedloc.testing.procs import sessions_alive, spawn_cli
 
@@ -263,6 +263,8 @@ def _check_in_browser(url: str, peers: list[Peer]) -> None:
             page.wait_for_function("document.querySelectorAll('#peers tbody tr').length === 4", timeout=30_000)
             roles = sorted(page.locator("#peers tbody tr td:nth-child(2)").all_inner_texts())
             assert roles == ["backbone", "trainer", "trainer", "trainer"]
+            shown = set(page.locator("#peers tbody tr td:nth-child(1)").all_inner_texts())
+            assert {short_id(p.peer_id) for p in peers} <= shown, shown  # as the trainer's table shows them
             assert page.inner_text("#peer-count") == "4" and page.inner_text("#step") == "2"
             assert "partitioned" in page.inner_text("#plan") or "ring" in page.inner_text("#plan")
             assert page.locator("#loss-chart .main-svg").count() >= 1  # Plotly drew the chart

@@ -993,3 +993,20 @@ def test_a_backbone_refused_as_a_fork_no_longer_sets_the_resync_target():
     assert progress.without_forks(view).global_step == 329  # while it publishes that step
     moved = CollaborationView.build([*trainers, replace(backbone, step=340)])
     assert progress.without_forks(moved).global_step == 340  # another checkpoint: counted again
+
+
+def test_the_progress_table_shows_peers_by_their_last_8_characters_and_marks_this_one():
+    """Every peer id begins with 12D3KooW: the dashboard showed those characters for every peer, the
+    trainer's table others, and neither which row was the reader's (issue 41)."""
+    from rich.console import Console
+
+    from dedloc.roles.progress import ProgressDisplay
+
+    me, other = "12D3KooW" + "A" * 36 + "aaaaaaaa", "12D3KooW" + "B" * 36 + "bbbbbbbb"
+    display = ProgressDisplay("t", me=me)
+    display.view = CollaborationView.build([ProgressRecord(me, 1, 0, 0.0, Role.TRAINER),
+                                            ProgressRecord(other, 1, 0, 0.0, Role.TRAINER)])
+    console = Console(record=True, width=120)
+    console.print(display.render())
+    text = console.export_text()
+    assert "aaaaaaaa (you)" in text and "bbbbbbbb" in text and "bbbbbbbb (you)" not in text and "12D3KooW" not in text

@@ -38,6 +38,7 @@ from dedloc.auth.dht import DHTAccess
 from dedloc.auth.records import SignedRecords
 from dedloc.config import PeerConfig
 from dedloc.errors import BootstrapError, JoinError
+from dedloc.records import short_id
 from dedloc.auth.identity import create_identity, load_identity, peer_id_of
 from dedloc.auth.revocation_sync import RevocationSync
 from dedloc.net.relay_guard import RelayGuard, keep_known
@@ -328,7 +329,7 @@ class Node:
                 continue
             if answered:
                 logger.info(f"back in touch with {len(answered)} peer(s) of the run that this peer's DHT had lost: "
-                            + ", ".join(p[-8:] for p in answered))
+                            + ", ".join(short_id(p) for p in answered))
 
     async def _touch(self) -> list[str]:
         now = time.monotonic()

@@ -26,6 +26,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from dedloc.errors import ProtocolError
 from dedloc.net import links
 from dedloc.net.serve import Streams
+from dedloc.records import short_id
 
 logger = logging.getLogger(__name__)
 VERSION = 1
@@ -137,13 +138,13 @@ async def probe(streams: Streams, run_id: str, probers: list[PeerID], listen: li
     failures, observed = [], None
     for peer, answer in zip(asked, answers):
         if isinstance(answer, BaseException) or not isinstance(answer, dict):
-            failures.append(f"{peer.to_base58()[-8:]}: {type(answer).__name__}")
+            failures.append(f"{short_id(peer.to_base58())}: {type(answer).__name__}")
             continue
         ip = answer.get("observed") if isinstance(answer.get("observed"), str) else None
         observed = observed or ip
         reached = [p for p in answer.get("reached", []) if p in ports] if isinstance(answer.get("reached"), list) else []
         if ip is not None and reached:
-            return Reachability(True, f"{peer.to_base58()[-8:]} connected back to {ip}:{reached[0]}", ip)
+            return Reachability(True, f"{short_id(peer.to_base58())} connected back to {ip}:{reached[0]}", ip)
     if observed is None:  # nobody could tell: judge by its own addresses
         public = any(ip.is_global for ip in ips)
         return Reachability(public, f"no prober answered ({', '.join(failures)}); it listens on "

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dedloc.records import CollaborationView
+from dedloc.records import CollaborationView, short_id
 
 
 @dataclass
@@ -44,8 +44,9 @@ class LossCurve:
 class ProgressDisplay:
     """Loss per global step (pooled over the trainers that report to it), speed, batch, peers."""
 
-    def __init__(self, title: str, total_steps: int | None = None):
-        self.title, self.total_steps = title, total_steps
+    def __init__(self, title: str, total_steps: int | None = None, me: str = ""):
+        """``me``: this peer's id (its row is marked), if it is one."""
+        self.title, self.total_steps, self.me = title, total_steps, me
         self.loss = LossCurve()
         self.batch: dict[int, float] = {}
         self.sps: dict[Any, float] = {}
@@ -81,5 +82,6 @@ class ProgressDisplay:
             peers.add_column(col)
         if self.view is not None:
             for r in self.view.peers:
-                peers.add_row(r.peer_id[-8:], r.role.value, str(r.step), str(r.samples), f"{r.samples_per_second:.0f}")
+                you = " (you)" if r.peer_id == self.me else ""
+                peers.add_row(short_id(r.peer_id) + you, r.role.value, str(r.step), str(r.samples), f"{r.samples_per_second:.0f}")
         return Group(table, peers)

@@ -14,7 +14,7 @@ import time
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.data.mlm import DataConfig
 from dedloc.recipes.mlm import MLMRecipe
-from dedloc.records import Role
+from dedloc.records import Role, short_id
 from dedloc.roles.trainer import TrainConfig, Trainer
 
 
@@ -37,8 +37,8 @@ def train(config: TrainConfig, recipe: MLMRecipe, data: DataConfig, peer_config:
         trainer = Trainer(config, recipe, data, peer_config, averaging)
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    display = ProgressDisplay(f"dedloc train: {config.recipe} on {trainer.device} as {trainer.peer_id[-8:]}",
-                              config.max_steps)
+    display = ProgressDisplay(f"dedloc train: {config.recipe} on {trainer.device} as {short_id(trainer.peer_id)}",
+                              config.max_steps, me=trainer.peer_id)
     console.print(f"peer {trainer.peer_id} joined at global step {trainer.opt.global_step}; "
                   f"identity and data position in {trainer.state_dir}")
     last_view = [0.0]
