@@ -1000,7 +1000,7 @@ def test_the_progress_table_shows_peers_by_their_last_8_characters_and_marks_thi
     trainer's table others, and neither which row was the reader's (issue 41)."""
     from rich.console import Console
 
-    from dedloc.roles.progress import ProgressDisplay
+    from dedloc.roles.progress import ProgressDisplay, StepEvent
 
     me, other = "12D3KooW" + "A" * 36 + "aaaaaaaa", "12D3KooW" + "B" * 36 + "bbbbbbbb"
     display = ProgressDisplay("t", me=me)
@@ -1010,3 +1010,5 @@ def test_the_progress_table_shows_peers_by_their_last_8_characters_and_marks_thi
     console.print(display.render())
     text = console.export_text()
     assert "aaaaaaaa (you)" in text and "bbbbbbbb" in text and "bbbbbbbb (you)" not in text and "12D3KooW" not in text
+    display.add(StepEvent(0, 24.0, 8, 40.0, 100.0))  # the line a log file gets per global step
+    assert display.line().startswith("global step 1: loss 3.000, 100 samples/s, batch 40, 2 peers, checkpoint -, ")

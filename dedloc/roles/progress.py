@@ -64,6 +64,17 @@ class ProgressDisplay:
     def curve(self) -> tuple[list[int], list[float]]:
         return self.loss.curve()
 
+    def line(self) -> str:
+        """The table's first row as one line: what a log file gets (off a terminal nothing redraws the
+        table; under nohup, tmux logging, docker or systemd the file stayed empty until exit)."""
+        steps, curve = self.curve()
+        step = steps[-1] + 1 if steps else 0
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        peers = len(self.view.peers) if self.view is not None else 0
+        return (f"global step {step}{total}: loss {curve[-1]:.3f}" if curve else f"global step {step}{total}: loss -") + \
+            (f", {sum(self.sps.values()):.0f} samples/s, batch {self.batch.get(step - 1, 0):.0f}, {peers} peers"
+             f", checkpoint {self.checkpoint if self.checkpoint >= 0 else '-'}, {time.monotonic() - self.started:.0f} s")
+
     def render(self):
         from rich.console import Group
         from rich.table import Table

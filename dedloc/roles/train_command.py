@@ -7,6 +7,7 @@ cleanly (no daemon or DataLoader worker is left behind). With ``--out``, ``summa
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -50,14 +51,19 @@ def train(config: TrainConfig, recipe: MLMRecipe, data: DataConfig, peer_config:
             if display.view is not None:  # a backbone's record names the step of its newest checkpoint
                 display.checkpoint = max((r.step for r in display.view.peers if r.role == Role.BACKBONE),
                                          default=-1)
-        live.update(display.render())
+        if live is not None:
+            live.update(display.render())
+        else:
+            print(display.line(), flush=True)
 
     def on_resync(step: int) -> None:
         display.resyncs += 1
 
     summary = None
     try:
-        with Live(display.render(), console=console, refresh_per_second=4) as live:
+        # off a terminal (a log file), one line per global step instead of a live table
+        with (Live(display.render(), console=console, refresh_per_second=4) if console.is_terminal
+              else contextlib.nullcontext()) as live:
             try:
                 summary = trainer.run(stop, on_step=on_step, on_resync=on_resync)
             except KeyboardInterrupt:
