@@ -101,3 +101,18 @@ def test_finetune_inputs_that_do_not_fit_fail_by_name(setup, capsys):
     assert "does not fit recipe 'tiny-mlm'" in capsys.readouterr().err
     assert main(["finetune", "--task", "classification", "--checkpoint", str(tmp_path / "ckpt"), *common, *SHAPE]) == 2
     assert "no column 'text'" in capsys.readouterr().err
+
+
+def test_named_entity_fine_tuning_without_seqeval_fails_before_training(monkeypatch):
+    """seqeval scores NER after the last epoch: missing, it failed only then, after all the training
+    (issue 41). It is asked for first."""
+    import sys
+
+    from dedloc.errors import DedlocError
+    from dedloc.recipes.mlm import MLMRecipe
+    from dedloc.roles.finetune import FinetuneConfig, finetune
+
+    monkeypatch.setitem(sys.modules, "seqeval.metrics", None)  # as if not installed
+    config = FinetuneConfig(task="ner", checkpoint="nope", tokenizer="nope", train="nope", validation="nope")
+    with pytest.raises(DedlocError, match=r"this needs seqeval, which is not installed: pip install 'dedloc\[eval\]'"):
+        finetune(config, MLMRecipe())

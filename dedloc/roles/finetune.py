@@ -131,6 +131,8 @@ def finetune(config: FinetuneConfig, recipe: MLMRecipe) -> dict[str, float]:
     from dedloc.data.tokenizer import load_tokenizer
 
     config.validate()
+    if config.task == "ner":
+        require("seqeval.metrics")  # scored after the last epoch: missing, it failed only then
     tokenizer = load_tokenizer(config.tokenizer)
     encoder = load_encoder_state(config.checkpoint)
     train, valid = _split(config.train, "train"), _split(config.validation, "validation")
