@@ -79,7 +79,7 @@ def load_encoder_state(path: str) -> dict[str, torch.Tensor]:
     from dedloc.state.checkpoint import CheckpointStore
 
     if os.path.isdir(path):
-        found = CheckpointStore(path).latest()
+        found = CheckpointStore(path, writer=False).latest()
         if found is None:
             raise DataError(f"--checkpoint {path!r}: no checkpoint in this directory")
         blob = found[1]

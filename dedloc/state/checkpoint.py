@@ -22,12 +22,15 @@ _NAME = re.compile(r"^state-(\d+)\.pt$")
 
 
 class CheckpointStore:
-    def __init__(self, directory: str | os.PathLike, keep: int = 3):
+    def __init__(self, directory: str | os.PathLike, keep: int = 3, writer: bool = True):
+        """``writer``: this store writes checkpoints (a backbone: the directory is made, and checked
+        writable); else it only reads them (fine-tuning from a read-only copy)."""
         self.dir = Path(directory)
         self.keep = keep
-        self.dir = make_dir(directory, "--checkpoint-dir")
-        for stale in self.dir.glob(".state-*.tmp"):  # left by a crash mid-write (files.write_atomically)
-            stale.unlink(missing_ok=True)
+        if writer:
+            self.dir = make_dir(directory, "--checkpoint-dir")
+            for stale in self.dir.glob(".state-*.tmp"):  # left by a crash mid-write (files.write_atomically)
+                stale.unlink(missing_ok=True)
 
     def steps(self) -> list[int]:
         """Steps of the checkpoints present, newest first."""
