@@ -115,6 +115,16 @@ def _version() -> str:
     return f"{of('dedloc')} (hivemind {of('hivemind')}, torch {of('torch')}, Python {sys.version.split()[0]})"
 
 
+def _joined(argv: list[str]):
+    """The manifest ``--join`` names (``dedloc train``), or None."""
+    from dedloc.roles.manifest import Manifest
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--join", default=None)
+    text = pre.parse_known_args(argv)[0].join
+    return Manifest.read(text) if text else None
+
+
 def _recipe_named(argv: list[str] | None) -> str:
     """The ``--recipe`` on the command line (its fields' defaults depend on it)."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -143,13 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     from dedloc.demo.collab import DemoConfig
     from dedloc.recipes.mlm import RECIPES, MLMRecipe
     from dedloc.roles.finetune import FinetuneConfig
+    from dedloc.roles.manifest import PER_PEER
     from dedloc.roles.trainer import TrainConfig
 
     recipe_name = _recipe_named(argv)
     if recipe_name not in RECIPES:  # before --help, whose defaults come from the recipe
         print(f"dedloc: error: unknown recipe {recipe_name!r} (known: {', '.join(RECIPES)})", file=sys.stderr)
         return 2
-    recipe_defaults = dataclasses.asdict(RECIPES.get(recipe_name, RECIPES["tiny-mlm"]))
+    try:
+        manifest = _joined(argv) if argv[:1] == ["train"] else None
+    except DedlocError as e:
+        print(f"dedloc: error: {e}", file=sys.stderr)
+        return 2
+    recipe_defaults = dataclasses.asdict(manifest.build_recipe() if manifest is not None
+                                         else RECIPES.get(recipe_name, RECIPES["tiny-mlm"]))
     parser = argparse.ArgumentParser(prog="dedloc", description="Collaborative deep learning (DeDLOC).")
     parser.add_argument("--version", action="version", version=f"dedloc {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -168,6 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     add_fields(train, DataConfig)
     add_fields(train, PeerConfig, defaults={"log_level": "WARNING"})
     add_fields(train, AveragingConfig, skip=("aggregator_only", "compression"))
+    train.add_argument("--join", default=None, help="the run's manifest, as a token or a file (`dedloc run manifest` "
+                                                   "prints it): its run id, recipe, tokenizer, data, initial peers and "
+                                                   "owner key become the defaults; run-wide recipe values may not differ")
+    if manifest is not None:
+        train.set_defaults(run_id=manifest.run_id, recipe=manifest.recipe, **{
+            k: list(v) if isinstance(v, tuple) else v for k, v in dict(
+                tokenizer=manifest.tokenizer, data=manifest.data, initial_peers=manifest.initial_peers,
+                owner=manifest.owner).items() if v})
     tokenizer = sub.add_parser("tokenizer", help="train the run's tokenizer from its data sources "
                                                  "(Unigram, NFKC; sahajBERT's kind)")
     tokenizer.add_argument("--recipe", default="tiny-mlm", help="take --vocab-size from this recipe")
@@ -197,6 +222,17 @@ def main(argv: list[str] | None = None) -> int:
     init = run_sub.add_parser("init", help="make the owner key and run.json in --dir, print the flags peers join with")
     init.add_argument("--dir", required=True, help="where owner.key (secret), run.json and revoked go")
     init.add_argument("--run-id", required=True, help="the run's name")
+    made = run_sub.add_parser("manifest", help="print the one token (and write the file) volunteers join with: "
+                                               "`dedloc train --join TOKEN`")
+    made.add_argument("--run-id", required=True, help="the run's name")
+    made.add_argument("--recipe", default="tiny-mlm", choices=sorted(RECIPES), help="the named recipe the run trains")
+    add_fields(made, MLMRecipe, skip=PER_PEER, defaults=recipe_defaults)
+    made.add_argument("--tokenizer", default="", help="the run's tokenizer directory, as volunteers will find it")
+    made.add_argument("--data", nargs="*", default=[], action=_Repeatable, help="the run's data sources")
+    made.add_argument("--initial-peers", nargs="*", default=[], action=_Repeatable,
+                      help="the addresses volunteers bootstrap from (the backbone prints its own)")
+    made.add_argument("--owner", default="", help="the owner key of an invite-only run (`dedloc run init` prints it)")
+    made.add_argument("--out", default="", help="also write the manifest to this file (JSON)")
     invite = sub.add_parser("invite", help="owner: print an invitation for a peer id (the peer passes it to --invite)")
     invite.add_argument("peer_id", help="the volunteer's peer id (`dedloc identity` prints it)")
     invite.add_argument("--run", required=True, help="the run directory `dedloc run init` made")
@@ -236,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from dedloc.roles.train_command import train
 
-            return train(from_args(TrainConfig, args), from_args(MLMRecipe, args), from_args(DataConfig, args),
-                         from_args(PeerConfig, args),
+            recipe, peer_config = from_args(MLMRecipe, args), from_args(PeerConfig, args)
+            if manifest is not None:
+                manifest.check(peer_config.run_id, args.recipe, recipe)
+            return train(from_args(TrainConfig, args), recipe, from_args(DataConfig, args), peer_config,
                          from_args(AveragingConfig, args, skip=("aggregator_only", "compression")))
         if args.command == "tokenizer":
             from dedloc.data.tokenizer import build
@@ -257,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("run", "invite", "revoke", "identity"):
             from dedloc.roles import membership
 
-            if args.command == "run":
+            if args.command == "run" and args.run_command == "manifest":
+                print(_manifest(args))
+            elif args.command == "run":
                 print(membership.run_init(args.dir, args.run_id))
             elif args.command == "invite":
                 print(membership.invite(args.run, args.peer_id, args.expires, args.backbone))
@@ -298,6 +338,26 @@ MODEL_SHAPE = ("hidden_size", "layers", "heads", "embedding_size", "intermediate
 """The recipe fields `dedloc finetune` takes: the pretrained model's shape."""
 RECIPE_SET_BY_DEMO = ("total_steps", "warmup_steps")
 """The demo's schedule spans its --steps."""
+
+
+def _manifest(args) -> str:
+    """``dedloc run manifest``: the token (and, with --out, the file) volunteers join with."""
+    from dedloc.config import PeerConfig
+    from dedloc.files import write_atomically
+    from dedloc.recipes.mlm import RECIPES, MLMRecipe
+    from dedloc.roles.manifest import PER_PEER, Manifest
+
+    PeerConfig(run_id=args.run_id, initial_peers=tuple(args.initial_peers), owner=args.owner).validate()
+    recipe = dataclasses.replace(RECIPES[args.recipe], **{
+        f.name: getattr(args, f.name) for f in dataclasses.fields(MLMRecipe) if f.name not in PER_PEER})
+    manifest = Manifest.of(args.run_id, args.recipe, recipe, tokenizer=args.tokenizer, data=tuple(args.data),
+                           initial_peers=tuple(args.initial_peers), owner=args.owner)
+    if args.out:
+        write_atomically(args.out, manifest.to_json() + "\n")
+    token = manifest.token()
+    return ((f"manifest written to {args.out}\n" if args.out else "")
+            + f"volunteers join with:\n  dedloc train --join {token}" + (" --invite <its invitation>" if args.owner else "")
+            + (f"\n  (or --join {args.out})" if args.out else ""))
 
 
 def _backbone(peer_config, backbone_config) -> int:

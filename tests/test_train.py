@@ -182,3 +182,46 @@ def test_two_peers_given_one_state_directory_are_refused_instead_of_sharing_an_i
         held.close()
     assert main(["train", "--run-id", "r", "--state-dir", str(state)]) == 2  # free again: on to the next check
     assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_one_token_carries_the_run_and_a_run_wide_value_changed_on_the_command_line_is_refused(tmp_path, capsys):
+    """The join line was assembled by hand: a volunteer who forgot `--recipe albert-mlm` downloaded the
+    whole state before "the state does not fit this model" (issue 41). `dedloc run manifest` prints one
+    token; `dedloc train --join` takes the run from it and refuses a run-wide value changed on its
+    command line, by name, before the peer starts; the per-peer ones stay the volunteer's."""
+    import base64
+    import zlib
+
+    from dedloc.recipes.mlm import RECIPES
+    from dedloc.roles.manifest import Manifest
+
+    peer = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWJX6ZnqhDUdWPKNYsNhKGWD8JYFE9hWNoqZFWGRuhp3UH"
+    assert main(["run", "manifest", "--run-id", "bn", "--recipe", "albert-mlm", "--lr", "0.001", "--tokenizer",
+                 "bn-tok", "--data", "a.jsonl", "b.jsonl", "--initial-peers", peer, "--out",
+                 str(tmp_path / "run.json")]) == 0
+    token = re.search(r"dedloc train --join (dlj1\.\S+)", capsys.readouterr().out).group(1)
+    manifest = Manifest.read(token)
+    assert manifest == Manifest.read(str(tmp_path / "run.json"))
+    assert (manifest.run_id, manifest.recipe, manifest.overrides) == ("bn", "albert-mlm", {"lr": 0.001})
+    assert (manifest.tokenizer, manifest.data, manifest.initial_peers) == ("bn-tok", ("a.jsonl", "b.jsonl"), (peer,))
+    assert manifest.build_recipe().hidden_size == RECIPES["albert-mlm"].hidden_size
+
+    state = tmp_path / "in-the-way"
+    state.write_text("a file")
+    for changed, says in ((["--lr", "0.5"], "--lr 0.5 (the run's: 0.001)"),
+                          (["--recipe", "tiny-mlm"], "--recipe tiny-mlm (the run's: albert-mlm)"),
+                          (["--run-id", "other"], "--run-id other (the run's: bn)")):
+        assert main(["train", "--join", token, *changed, "--state-dir", str(state)]) == 2
+        assert says in capsys.readouterr().err
+    # a per-peer value is the volunteer's: the manifest passes, and the peer goes on (to its state directory)
+    assert main(["train", "--join", token, "--micro-batch", "2", "--state-dir", str(state)]) == 2
+    assert "--state-dir" in capsys.readouterr().err
+
+    body = json.loads(manifest.to_json())
+    body["overrides"]["lr"] = 0.5  # edited by hand, hash left as it was
+    edited = "dlj1." + base64.urlsafe_b64encode(zlib.compress(json.dumps(body).encode())).decode().rstrip("=")
+    bomb = "dlj1." + base64.urlsafe_b64encode(zlib.compress(b" " * (8 << 20))).decode().rstrip("=")
+    for bad, says in ((token[:60], "not a whole manifest token"), (edited, "recipe hash does not match"),
+                      (bomb, "not a whole manifest token"), ("nope.json", "neither a manifest token")):
+        assert main(["train", "--join", bad]) == 2
+        assert says in capsys.readouterr().err

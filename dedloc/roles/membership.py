@@ -26,7 +26,9 @@ def run_init(directory: str, run_id: str) -> str:
     owner = RunOwner.init(directory, run_id)
     return (f"invite-only run {run_id!r} created in {directory} (keep owner.key secret)\n"
             f"owner key: {owner.public}\n"
-            f"every peer joins with: --run-id {run_id} --owner {owner.public} --invite <its invitation>\n"
+            f"every peer joins with: --run-id {run_id} --owner={owner.public} --invite <its invitation>\n"
+            f"one token for all of it:  dedloc run manifest --run-id {run_id} --owner={owner.public} --recipe ... "
+            f"--tokenizer ... --data ... --initial-peers ...\n"
             f"invite the backbone:  dedloc invite BACKBONE_PEER_ID --run {directory} --expires 30d --backbone\n"
             f"invite a peer:  dedloc invite PEER_ID --run {directory} --expires 7d\n"
             f"revoke a peer:  dedloc revoke PEER_ID --run {directory}  (the owner's backbone publishes "
