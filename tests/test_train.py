@@ -88,6 +88,9 @@ def test_two_trainers_then_a_restart_resumes_identity_state_and_data(tmp_path):
         # off a terminal, progress is one line per global step (a log file stayed empty until exit: issue 41)
         assert re.search(r"global step [1-4]/4: loss \d+\.\d{3}, \d+ samples/s, batch \d+, \d+ peers", logs[0]), logs[0][-3000:]
         assert "no --initial-peers" not in logs[0]
+        # one start-up line says who this peer is and how it runs
+        assert re.search(r"joined run '\w+' at global step \d+: tiny-mlm on cpu \(fp32\), micro-batch 4, "
+                         r"(reachable|not reachable) \(.+\), 1 initial peer\(s\)", logs[0]), logs[0][:3000]
         a, b = (json.loads((tmp_path / f"out{i}-4" / "summary.json").read_text()) for i in range(2))
         assert a["global_step"] == b["global_step"] == 4
         assert a["parameters_sha256"] == b["parameters_sha256"], "the two trainers' parameters differ"

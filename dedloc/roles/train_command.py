@@ -40,8 +40,13 @@ def train(config: TrainConfig, recipe: MLMRecipe, data: DataConfig, peer_config:
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     display = ProgressDisplay(f"dedloc train: {config.recipe} on {trainer.device} as {short_id(trainer.peer_id)}",
                               config.max_steps, me=trainer.peer_id)
-    console.print(f"peer {trainer.peer_id} joined at global step {trainer.opt.global_step}; "
-                  f"identity and data position in {trainer.state_dir}")
+    peer = trainer.peer
+    how = "client mode (it accepts no connections)" if peer.config.client_mode else \
+        f"{'reachable' if peer.reachable else 'not reachable'} ({peer.reachability})"
+    console.print(f"peer {trainer.peer_id} joined run {peer.config.run_id!r} at global step {trainer.opt.global_step}: "
+                  f"{config.recipe} on {trainer.device} ({trainer.precision}), micro-batch {recipe.micro_batch}, "
+                  f"{how}, {len(peer.config.initial_peers)} initial peer(s); identity and data position in "
+                  f"{trainer.state_dir}", soft_wrap=True)
     last_view = [0.0]
 
     def on_step(event) -> None:
