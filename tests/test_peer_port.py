@@ -1,7 +1,6 @@
 """The optimizer's peer seam (dedloc/optim/port.py): one scenario against the real peer and the
 in-process fake, and the optimizer's shell on the fake (no network, a second or less each)."""
 
-import dataclasses
 import threading
 
 import pytest
@@ -125,37 +124,3 @@ def test_delayed_updates_catch_up_when_a_round_closed_without_the_peer(fake_run)
     late.offer_state()  # lands the round of step 1 on top of the downloaded state of step 1
     assert late.applied_step == 2 and late.resyncs == 0
     assert [(r.step, r.local_samples) for r in late.history] == [(1, 16)], "its gradients were dropped"
-
-
-def test_a_view_lacking_the_round_mates_after_a_heal_does_not_hand_a_trainers_history_to_a_lone_fork(fake_run):
-    """The partition soak: after a heal, a trainer's view (its DHT not merged yet) held one other
-    trainer, which had taken the step alone on another history; the vote went 1-1, the tie to the
-    smaller peer id, and the trainer stepped back to the fork. The members of its recent rounds,
-    absent from that view, vote for what they took with it until their records would have lapsed;
-    a record of theirs in the view votes as it says."""
-    from dedloc.records import CollaborationView, ProgressRecord, Role
-    from dedloc.state import lineage
-
-    torch.set_num_threads(1)
-    cfg = OptimizerConfig(target_batch_size=32)
-    gate = together(3)
-    trainers = [Trainer(i, fake_run.peer(), cfg, micro=8, steps=3, gate=gate) for i in range(3)]
-    for t in trainers:
-        t.start()
-    join_all(trainers)
-    me = trainers[0]
-    sync, own = me.opt.sync, me.opt._record(busy=False)
-    assert all(r.group_size == 3 for r in me.opt.history), "the trainers did not take their steps together"
-    fork = ProgressRecord("fake000", 3, 8, 1.0, Role.TRAINER, time=own.time, fingerprint="2:f0f0f0f0")
-    partial = CollaborationView.build([own, fork])
-    assert fork.peer_id < own.peer_id and lineage.votes(me.opt.local.lineage, partial, exclude=own.peer_id).outvoted(
-        own=own.peer_id), "the view alone does not outvote the trainer: not the incident"
-    assert not sync.forked(partial) and sync.disagreement(partial) is None
-    assert sync.target(partial) == (None, []), "it would download a state"
-    mates = [t.opt._record(busy=False) for t in trainers[1:]]
-    assert not sync.forked(CollaborationView.build([own, fork, *mates]))
-    # the mates' own records, once in the view, vote as they say: both went over to the fork
-    went_over = [dataclasses.replace(r, fingerprint="2:f0f0f0f0") for r in mates]
-    assert sync.forked(CollaborationView.build([own, fork, *went_over]))
-    me.peer.progress_ttl = 0.0  # long after the round: the mates' records would have lapsed
-    assert sync.forked(partial)

@@ -475,8 +475,6 @@ class CollaborativeOptimizer:
         record = RoundRecord(step, local_samples, stats.total_weight, stats.group_size, time.monotonic() - started,
                              overflow, contributors, stats.peers)
         self.history.append(record)
-        self.sync.mates.took(tuple(p for p in contributors if p != self.peer.peer_id), self.local.fingerprint,
-                             time.monotonic())
         logger.info(f"step {step} averaged with {record.group_size} peers, batch {record.batch:.0f} samples, "
                     f"in {record.averaging_s:.2f} s" + (" (no member's gradient was finite: step skipped by all)"
                                                         if overflow else ""))

@@ -109,8 +109,6 @@ class StateSync:
         """Inside ``resync`` (published: such a peer takes no round before it holds a state)."""
         self.offered: tuple[int, str] | None = None
         """The state last offered (``LocalState.identity``): a resync offers the one it holds unless it did."""
-        self.mates = lineage.RoundMates()
-        """This peer's recent round-mates: votes for its history that a partial view lacks."""
 
     # ---- offering ------------------------------------------------------------------------------------
     def offer(self, blob: bytes | None = None) -> None:
@@ -123,20 +121,14 @@ class StateSync:
     # ---- verification --------------------------------------------------------------------------------
     def votes(self, view: CollaborationView) -> dict[str, str] | None:
         """The live peers' fingerprints, for refusing a forked donor at its state's header."""
-        return self.published(view) if self.config.verify_sync else None
-
-    def published(self, view: CollaborationView) -> dict[str, str]:
-        """The votes on the run's history (peer id -> ``"t:h"``): the live peers' (``lineage.fingerprints``),
-        and those of this peer's recent round-mates that ``view`` lacks (``lineage.RoundMates``)."""
-        return self.mates.absent(lineage.fingerprints(view), {r.peer_id for r in view.peers}, self.local.lineage,
-                                 time.monotonic(), self.peer.progress_ttl)
+        return lineage.fingerprints(view) if self.config.verify_sync else None
 
     def forked(self, view: CollaborationView) -> bool:
         """Whether the live peers outvote this peer's recent history (its own vote counts as theirs
         do: a client's only while a trainer holds the same parameters, ``CollaborationView.votes``)."""
         me = self.peer.peer_id
         own = me if view.votes(self._record()) else None
-        return lineage.votes_of(self.local.lineage, self.published(view), exclude=me).outvoted(own=own)
+        return lineage.votes(self.local.lineage, view, exclude=me).outvoted(own=own)
 
     def disagreement(self, view: CollaborationView) -> str | None:
         """Why this peer's parameters are not the collaboration's (None: they are): they differ from
@@ -145,7 +137,7 @@ class StateSync:
         if not self.config.verify_sync:
             return None
         if self.forked(view):
-            return (f"this peer's parameters since step {lineage.first_conflict_of(self.local.lineage, self.published(view))} are a "
+            return (f"this peer's parameters since step {lineage.first_conflict(self.local.lineage, view)} are a "
                     f"fork that the other peers outvote")
         consensus = view.consensus_fingerprint(self.local.applied_step)
         if consensus is not None and consensus != self.local.fingerprint:
@@ -161,9 +153,8 @@ class StateSync:
         if own is None:
             return  # it does not fit the model: loading it raises StateError by name
         history = lineage.extend(lineage.of_state(state), own)
-        published = self.published(view)
-        if lineage.votes_of(history, published).outvoted(own=donor):
-            at = lineage.first_conflict_of(history, published)
+        if lineage.votes(history, view).outvoted(own=donor):
+            at = lineage.first_conflict(history, view)
             raise ForkError(f"its state of step {state['step']} rewrites step {at}, which the collaboration "
                             f"took with other parameters (a fork): refused", peers=(donor,))
         consensus = view.consensus_fingerprint(int(state["step"]))
@@ -190,7 +181,7 @@ class StateSync:
         collaboration's state (nothing to download: e.g. a round that failed for every member)."""
         me = self.peer.peer_id
         if self.config.verify_sync and self.forked(view):  # step back to the history the others took
-            theirs = set(lineage.votes_of(self.local.lineage, self.published(view), exclude=me).disagree)
+            theirs = set(lineage.votes(self.local.lineage, view, exclude=me).disagree)
             target = max((r.applied_step or 0) for r in view.peers if r.peer_id in theirs)
             return target, [d for d in self.donors(view, target) if d in theirs]
         target = view.global_step

@@ -11,8 +11,7 @@ while a trainer publishes the same, or no trainer is alive: ``CollaborationView.
 lineage it *agrees* if the lineage holds ``h`` at ``t``, *disagrees* if it holds another hash
 there, and says nothing if the lineage does not reach ``t`` (the peer is ahead, or too far
 behind). The side with more votes is the collaboration's history; a tie goes to the side
-whose smallest voting peer id is smaller, so every peer decides the same way. A peer's own
-recent round-mates that its view lacks vote for what they took with it (``RoundMates``).
+whose smallest voting peer id is smaller, so every peer decides the same way.
 """
 
 from __future__ import annotations
@@ -78,39 +77,6 @@ def votes_of(lineage: dict[int, str], published: dict[str, str], exclude: str = 
     return Votes(tuple(agree), tuple(disagree))
 
 
-class RoundMates:
-    """The members of this peer's recent rounds, as votes for the parameters they took with it.
-
-    After a round, every contributor holds the parameters this peer holds: until its record would
-    have lapsed (``ttl`` after the round), a round-mate whose record this peer's view lacks entirely
-    still votes for them. Otherwise a view missing part of the run (two DHTs not yet merged after a
-    heal, a bootstrap restarted during a partition) could outvote a peer's history 1-1 with a lone
-    peer's fork. A mate whose record is in the view votes as that record says; a vote for parameters
-    this peer no longer holds (it stepped back, or downloaded) is dropped."""
-
-    def __init__(self) -> None:
-        self._seen: dict[str, tuple[str, float]] = {}
-        """peer id -> (fingerprint after our latest round together, monotonic time of that round)."""
-
-    def took(self, mates: tuple[str, ...], fingerprint: str, now: float) -> None:
-        """A round with ``mates`` (its contributors, this peer left out) ended at ``fingerprint``."""
-        for peer in mates:
-            self._seen[peer] = (fingerprint, now)
-
-    def absent(self, published: dict[str, str], present: set[str] | frozenset[str], lineage: dict[int, str],
-               now: float, ttl: float) -> dict[str, str]:
-        """``published`` (peer id -> ``"t:h"``) plus the vote of each mate of a round in the last ``ttl``
-        s that ``present`` (every peer id with a record in the view) lacks, while ``lineage`` still
-        holds what it took with this peer."""
-        self._seen = {p: (f, t) for p, (f, t) in self._seen.items() if now - t < ttl}
-        out = dict(published)
-        for peer, (fingerprint, _) in self._seen.items():
-            parsed = parse(fingerprint)
-            if peer not in present and parsed is not None and lineage.get(parsed[0]) == fingerprint:
-                out[peer] = fingerprint
-        return out
-
-
 def of_state(state: dict) -> dict[int, str]:
     """The lineage a decoded state carries under ``"lineage"`` (empty if it has none or a malformed one)."""
     raw = state.get("lineage")
@@ -150,5 +116,5 @@ def first_conflict_of(lineage: dict[int, str], published: dict[str, str]) -> int
     return min(steps, default=None)
 
 
-__all__ = ["KEEP", "parse", "extend", "Votes", "votes", "votes_of", "RoundMates", "fingerprints", "of_state", "from_list", "divergence", "first_conflict",
+__all__ = ["KEEP", "parse", "extend", "Votes", "votes", "votes_of", "fingerprints", "of_state", "from_list", "divergence", "first_conflict",
            "first_conflict_of"]
