@@ -170,8 +170,9 @@ def test_large_batch_equivalence_with_late_and_leaving_peers():
             p.close()
 
     trainers = (a, b, c)
-    # the late peer downloaded the state once, at a step >= 2, then contributed
-    assert c.opt.resyncs == 1 and min(c.params) >= 2
+    # the late peer downloaded the state at a step >= 2, then contributed
+    # (a second resync when the round of the step it downloaded closed before it could join: CI's load)
+    assert 1 <= c.opt.resyncs <= 2 and min(c.params) >= 2
     assert any(rec.local_samples > 0 for rec in c.opt.history)
     # the leaver stopped midway
     assert max(b.params) == 5 and max(a.params) == steps
