@@ -64,30 +64,31 @@ class ProgressDisplay:
     def curve(self) -> tuple[list[int], list[float]]:
         return self.loss.curve()
 
-    def line(self) -> str:
-        """The table's first row as one line: what a log file gets (off a terminal nothing redraws the
-        table; under nohup, tmux logging, docker or systemd the file stayed empty until exit)."""
+    def _row(self) -> tuple[str, str, str, str, str, str]:
+        """The table's first row: global step, loss, samples/s, batch, checkpoint, elapsed."""
         steps, curve = self.curve()
         step = steps[-1] + 1 if steps else 0
         total = f"/{self.total_steps}" if self.total_steps else ""
+        return (f"{step}{total}", f"{curve[-1]:.3f}" if curve else "-", f"{sum(self.sps.values()):.0f}",
+                f"{self.batch.get(step - 1, 0):.0f}", str(self.checkpoint) if self.checkpoint >= 0 else "-",
+                f"{time.monotonic() - self.started:.0f} s")
+
+    def line(self) -> str:
+        """The table's first row as one line: what a log file gets (off a terminal nothing redraws the
+        table; under nohup, tmux logging, docker or systemd the file stayed empty until exit)."""
+        step, loss, sps, batch, checkpoint, elapsed = self._row()
         peers = len(self.view.peers) if self.view is not None else 0
-        return (f"global step {step}{total}: loss {curve[-1]:.3f}" if curve else f"global step {step}{total}: loss -") + \
-            (f", {sum(self.sps.values()):.0f} samples/s, batch {self.batch.get(step - 1, 0):.0f}, {peers} peers"
-             f", checkpoint {self.checkpoint if self.checkpoint >= 0 else '-'}, {time.monotonic() - self.started:.0f} s")
+        return (f"global step {step}: loss {loss}, {sps} samples/s, batch {batch}, {peers} peers, "
+                f"checkpoint {checkpoint}, {elapsed}")
 
     def render(self):
         from rich.console import Group
         from rich.table import Table
 
-        steps, curve = self.curve()
-        step = steps[-1] + 1 if steps else 0
         table = Table(title=self.title, expand=False)
         for col in ("global step", "loss", "samples/s", "batch", "checkpoint", "elapsed"):
             table.add_column(col)
-        total = f"/{self.total_steps}" if self.total_steps else ""
-        table.add_row(f"{step}{total}", f"{curve[-1]:.3f}" if curve else "-", f"{sum(self.sps.values()):.0f}",
-                      f"{self.batch.get(step - 1, 0):.0f}", str(self.checkpoint) if self.checkpoint >= 0 else "-",
-                      f"{time.monotonic() - self.started:.0f} s")
+        table.add_row(*self._row())
         peers = Table(title="peers", expand=False)
         for col in ("peer", "role", "step", "samples", "samples/s"):
             peers.add_column(col)
