@@ -103,18 +103,6 @@ def _glue_keys(argv: list[str]) -> list[str]:
     return out
 
 
-def _version() -> str:
-    """The installed distribution's version, with the versions peers must share (hivemind, torch)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def of(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
-    return f"{of('dedloc')} (hivemind {of('hivemind')}, torch {of('torch')}, Python {sys.version.split()[0]})"
-
-
 def _joined(argv: list[str]):
     """The manifest ``--join`` names (``dedloc train``), or None."""
     from dedloc.roles.manifest import Manifest
@@ -153,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     from dedloc.demo.collab import DemoConfig
     from dedloc.recipes.mlm import RECIPES, MLMRecipe
     from dedloc.roles.finetune import FinetuneConfig
+    from dedloc.roles.doctor import versions
+    from dedloc.roles.export import ExportConfig
     from dedloc.roles.manifest import PER_PEER
     from dedloc.roles.trainer import TrainConfig
 
@@ -161,14 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dedloc: error: unknown recipe {recipe_name!r} (known: {', '.join(RECIPES)})", file=sys.stderr)
         return 2
     try:
-        manifest = _joined(argv) if argv[:1] == ["train"] else None
+        manifest = _joined(argv) if argv[:1] in (["train"], ["doctor"], ["export"]) else None
     except DedlocError as e:
         print(f"dedloc: error: {e}", file=sys.stderr)
         return 2
     recipe_defaults = dataclasses.asdict(manifest.build_recipe() if manifest is not None
                                          else RECIPES.get(recipe_name, RECIPES["tiny-mlm"]))
     parser = argparse.ArgumentParser(prog="dedloc", description="Collaborative deep learning (DeDLOC).")
-    parser.add_argument("--version", action="version", version=f"dedloc {_version()}")
+    parser.add_argument("--version", action="version", version=f"dedloc {versions()}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run a local collaboration pretraining a small ALBERT on this machine")
     demo.add_argument("--averaging", action="store_true",
@@ -193,6 +183,19 @@ def main(argv: list[str] | None = None) -> int:
             k: list(v) if isinstance(v, tuple) else v for k, v in dict(
                 tokenizer=manifest.tokenizer, data=manifest.data, initial_peers=manifest.initial_peers,
                 owner=manifest.owner).items() if v})
+    doctor = sub.add_parser("doctor", help="check this machine for a run without joining it: versions, device, "
+                                           "state dir, the run's tokenizer and data, initial peers, reachability")
+    doctor.add_argument("--join", default=None, help="the run's manifest, as a token or a file")
+    doctor.add_argument("--state-dir", default=None, help="as dedloc train's (default: dedloc-state/RUN_ID)")
+    doctor.add_argument("--device", default="auto", help="as dedloc train's: auto, cpu, cuda or cuda:N")
+    doctor.add_argument("--precision", default="auto", choices=("auto", "fp32", "fp16", "bf16"))
+    doctor.add_argument("--no-network", action="store_true", help="skip the reachability check (the p2p layer "
+                                                                  "starts for a few seconds and the initial peers dial back)")
+    add_fields(doctor, PeerConfig, skip=("name", "metrics_port", "metrics_host", "progress_ttl"),
+               defaults={"log_level": "WARNING"})
+    if manifest is not None:
+        doctor.set_defaults(run_id=manifest.run_id, **{k: list(v) if isinstance(v, tuple) else v for k, v in dict(
+            initial_peers=manifest.initial_peers, owner=manifest.owner).items() if v})
     tokenizer = sub.add_parser("tokenizer", help="train the run's tokenizer from its data sources "
                                                  "(Unigram, NFKC; sahajBERT's kind)")
     tokenizer.add_argument("--recipe", default="tiny-mlm", help="take --vocab-size from this recipe")
@@ -202,6 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     add_fields(finetune, FinetuneConfig)
     add_fields(finetune, MLMRecipe, skip=tuple(f.name for f in dataclasses.fields(MLMRecipe)
                                                if f.name not in MODEL_SHAPE), defaults=recipe_defaults)
+    export = sub.add_parser("export", help="write a backbone checkpoint as a transformers model directory "
+                                           "(save_pretrained), with the run's tokenizer")
+    export.add_argument("--join", default=None, help="the run's manifest (token or file): its recipe and tokenizer")
+    export.add_argument("--recipe", default="tiny-mlm", choices=sorted(RECIPES), help="the recipe the run trains")
+    add_fields(export, ExportConfig)
+    add_fields(export, MLMRecipe, skip=tuple(f.name for f in dataclasses.fields(MLMRecipe)
+                                             if f.name not in MODEL_SHAPE), defaults=recipe_defaults)
+    if manifest is not None:
+        export.set_defaults(recipe=manifest.recipe, **({"tokenizer": manifest.tokenizer} if manifest.tokenizer else {}))
     backbone = sub.add_parser("backbone", help="run a CPU-only backbone peer: DHT, checkpoints, state for newcomers")
     add_fields(backbone, PeerConfig, skip=("client_mode",), defaults={"host_maddrs": PUBLIC_HOST_MADDRS})
     add_fields(backbone, BackboneConfig)
@@ -269,6 +281,18 @@ def main(argv: list[str] | None = None) -> int:
                 print("dedloc: the demo did not train correctly (loss did not fall, or peers differ)",
                       file=sys.stderr)
             return 0 if ok else 1
+        if args.command == "export":
+            from dedloc.roles.export import export as run_export
+
+            shape = {k: getattr(args, k) for k in MODEL_SHAPE}
+            base = manifest.build_recipe() if manifest is not None else RECIPES[args.recipe]
+            written = run_export(from_args(ExportConfig, args), dataclasses.replace(base, **shape).validate())
+            print(f"wrote {written['out']}: {written['parameters']} parameters ({written['tensors']} tensors) and the "
+                  f"tokenizer; load it with transformers' AutoModelForMaskedLM.from_pretrained", flush=True)
+            return 0
+        if args.command == "doctor":
+            return _doctor(args, from_args(PeerConfig, args, skip=("name", "metrics_port", "metrics_host",
+                                                                    "progress_ttl")), manifest)
         if args.command == "train":
             from dedloc.roles.train_command import train
 
@@ -358,6 +382,25 @@ def _manifest(args) -> str:
     return ((f"manifest written to {args.out}\n" if args.out else "")
             + f"volunteers join with:\n  dedloc train --join {token}" + (" --invite <its invitation>" if args.owner else "")
             + (f"\n  (or --join {args.out})" if args.out else ""))
+
+
+def _doctor(args, peer_config, manifest) -> int:
+    """``dedloc doctor`` (roles/doctor.py): one line per check as it ends; 1 if any failed."""
+    from dedloc.logs import configure
+    from dedloc.roles.doctor import diagnose
+
+    configure(peer_config.log_level)
+    state_dir = args.state_dir or os.path.join("dedloc-state", peer_config.run_id)
+    key = os.path.join(state_dir, "identity.key")
+    if peer_config.identity_path is None and os.path.exists(key):  # an invite-only run answers this identity
+        peer_config = dataclasses.replace(peer_config, identity_path=key)
+    print(f"dedloc doctor: run {peer_config.run_id!r}", flush=True)
+    failed = 0
+    for check in diagnose(peer_config, state_dir, args.device, args.precision, manifest, network=not args.no_network):
+        print(check.line(), flush=True)
+        failed += check.status == "FAIL"
+    print(f"{failed} check(s) failed" if failed else "all checks passed", flush=True)
+    return 1 if failed else 0
 
 
 def _backbone(peer_config, backbone_config) -> int:

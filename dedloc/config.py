@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dedloc.errors import ConfigError
+from dedloc.records import MAX_NAME, MAX_RUN_HASH, name_ok
 
 COMPRESSIONS = ("none", "float16")
 STRATEGIES = ("partitioned", "ring")
@@ -52,6 +53,10 @@ class PeerConfig:
     """Public addresses to announce, if different from host_maddrs."""
     identity_path: str | None = None
     """File holding the private key; created if missing. Keeps the peer ID across restarts."""
+    name: str = ""
+    """How people see this peer on the dashboard, in the ledger and in the trainers' tables, beside
+    its short id (at most 32 printable characters; empty: the short id alone). What a peer says of
+    itself: two peers may share a name, so the id stays beside it."""
     client_mode: bool = False
     """Accept no inbound connections: the peer dials out only and never aggregates."""
     reachability: str = "auto"
@@ -101,6 +106,8 @@ class PeerConfig:
         _check(not (self.relay_service and self.client_mode), "relay_service", "cannot be used in client mode")
         _check(not (self.relay_service and self.reachability == "private"), "relay_service",
                "needs a publicly reachable peer (reachability 'auto' or 'public')")
+        _check(name_ok(self.name), "name", f"must be at most {MAX_NAME} printable characters without spaces at "
+               f"either end (got {self.name!r})")
         _check(bool(self.run_id) and all(c.isalnum() or c in "-_" for c in self.run_id), "run_id",
                f"must be non-empty letters, digits, '-' or '_' (got {self.run_id!r})")
         for addr in self.initial_peers:  # '1.2.3.4:31337' is what people try first
@@ -225,6 +232,11 @@ class OptimizerConfig:
     hand_on_timeout: float = 30.0
     """On leaving (``close``), a trainer that holds a step no other peer serving its state holds
     yet serves it up to this long, until one does (0: leave at once)."""
+    run_hash: str = ""
+    """A hash of the settings every peer of the run must share (``dedloc train``: the recipe's run-wide
+    values, ``roles/manifest.recipe_hash``), published with this peer's progress. Joining, a peer
+    whose hash is not the run's (``CollaborationView.settings_mismatch``) is refused by name before it
+    downloads anything. Empty: not published, not checked."""
 
     def validate(self) -> "OptimizerConfig":
         _check(self.target_batch_size >= 1, "target_batch_size", "must be >= 1")
@@ -233,6 +245,8 @@ class OptimizerConfig:
         _check(self.state_timeout > 0, "state_timeout", "must be > 0")
         _check(self.max_state_bytes is None or self.max_state_bytes > 0, "max_state_bytes", "must be > 0 or None")
         _check(self.hand_on_timeout >= 0, "hand_on_timeout", "must be >= 0")
+        _check(len(self.run_hash) <= MAX_RUN_HASH and self.run_hash.isprintable(), "run_hash",
+               f"must be printable, at most {MAX_RUN_HASH} characters")
         return self
 
 

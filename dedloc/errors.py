@@ -57,6 +57,10 @@ class BootstrapError(JoinError):
     """None of the initial peers answered (they may be restarting: ``PeerConfig.join_timeout``)."""
 
 
+class SettingsMismatch(JoinError):
+    """This peer's run-wide settings are not the run's (``OptimizerConfig.run_hash``): it joins nothing."""
+
+
 class ProtocolError(DedlocError):
     """A peer sent a malformed, hostile or incompatible message."""
 

@@ -19,6 +19,10 @@ from dedloc.framing import framed
 logger = logging.getLogger(__name__)
 
 
+MAX_NAME = 32
+"""Characters of a peer's display name (``PeerConfig.name``) at most."""
+MAX_RUN_HASH = 64
+"""Characters of a published ``run_hash`` at most."""
 MAX_WEIGHT = float(1 << 40)
 """No weight (samples toward one step) above 2^40 is accepted anywhere (averaging/bounds.py)."""
 
@@ -27,6 +31,18 @@ def short_id(peer_id: str) -> str:
     """How a peer id is shown to people: its last 8 characters (every libp2p Ed25519 id begins with the
     same ``12D3KooW``). The dashboard's page cuts them the same way."""
     return peer_id[-8:]
+
+
+def name_ok(name: object) -> bool:
+    """Whether ``name`` may be a peer's display name: printable (no terminal escapes, no newlines),
+    without spaces at either end, at most ``MAX_NAME`` characters."""
+    return isinstance(name, str) and len(name) <= MAX_NAME and name.isprintable() and name == name.strip()
+
+
+def label(peer_id: str, name: str = "") -> str:
+    """How a peer is shown to people: its name beside its short id, or the short id alone. (A name is
+    what a peer says of itself: two may share one, so the id stays beside it.)"""
+    return f"{name} ({short_id(peer_id)})" if name else short_id(peer_id)
 
 
 def weight_ok(weight: float) -> bool:
@@ -89,6 +105,11 @@ class ProgressRecord:
     syncing: bool = False
     """Downloading the collaboration's state (a resync): it accumulates nothing and joins no round
     until it holds that state, whatever ``step`` says."""
+    run_hash: str = ""
+    """A hash of the settings every peer of the run must share (``OptimizerConfig.run_hash``; empty:
+    none given)."""
+    name: str = ""
+    """The peer's display name (``PeerConfig.name``; empty: none), added by its service as it publishes."""
 
     @property
     def applied_step(self) -> int | None:
@@ -111,13 +132,15 @@ class ProgressRecord:
                       busy_until=float(obj.get("busy_until", 0.0)), fingerprint=str(obj.get("fingerprint", "")),
                       loss=float(obj.get("loss", 0.0)), loss_step=int(obj.get("loss_step", -1)),
                       loss_samples=int(obj.get("loss_samples", 0)), resyncs=int(obj.get("resyncs", 0)),
-                      catchups=int(obj.get("catchups", 0)), syncing=obj.get("syncing", False) is True)
+                      catchups=int(obj.get("catchups", 0)), syncing=obj.get("syncing", False) is True,
+                      run_hash=obj.get("run_hash", ""), name=obj.get("name", ""))
         except (KeyError, TypeError, ValueError, AttributeError):
             logger.debug(f"ignoring malformed progress record from {peer_id}")
             return None
         numbers = (rec.samples_per_second, rec.bandwidth, rec.time, rec.busy_until, rec.loss)
         if rec.step < 0 or rec.samples < 0 or rec.loss_samples < 0 or rec.loss_step < -1 or rec.resyncs < 0 \
-                or rec.catchups < 0 \
+                or rec.catchups < 0 or not isinstance(rec.run_hash, str) or len(rec.run_hash) > MAX_RUN_HASH \
+                or not name_ok(rec.name) \
                 or not all(math.isfinite(x) and x >= 0 for x in numbers):
             logger.debug(f"ignoring out-of-range progress record from {peer_id}")
             return None
@@ -200,6 +223,23 @@ class CollaborationView:
     def without(self, peers: set[str] | frozenset[str]) -> "CollaborationView":
         """This view less the records of ``peers``."""
         return CollaborationView(tuple(r for r in self.peers if r.peer_id not in peers), self.now) if peers else self
+
+    def settings_mismatch(self, me: str, mine: str) -> tuple[str, tuple[str, ...]] | None:
+        """The run's settings hash and the peers publishing it, when it is not ``mine`` (None: it is,
+        or no other training peer publishes one). The run's hash is the one most other training peers
+        publish; ``mine`` is the run's only while more of them publish it than any other hash (a tie
+        goes against ``me``, the peer asking as it joins: the run was there first)."""
+        counts: dict[str, list[str]] = {}
+        for r in self.peers:
+            if r.peer_id != me and r.role in _TRAINS and r.run_hash:
+                counts.setdefault(r.run_hash, []).append(r.peer_id)
+        if not counts:
+            return None
+        ours = len(counts.get(mine, ()))
+        theirs = max((h for h in counts if h != mine), key=lambda h: (len(counts[h]), h), default=None)
+        if theirs is None or ours > len(counts[theirs]):
+            return None
+        return theirs, tuple(counts[theirs])
 
     def trainers_at(self, step: int) -> tuple[ProgressRecord, ...]:
         """Training peers (trainers and clients) accumulating for ``step``: not those resyncing, which
@@ -649,7 +689,7 @@ class LedgerRecord:
 
     backbone: str
     rows: tuple[dict[str, Any], ...]
-    """``{peer, samples, rounds, last_step}`` (monitor/ledger.py ``Ledger.table``)."""
+    """``{peer, name, samples, rounds, last_step}`` (monitor/ledger.py ``Ledger.table``)."""
     checkpoints: tuple[int, ...]
 
     def to_wire(self) -> dict[str, Any]:
@@ -663,7 +703,8 @@ class LedgerRecord:
             if not (isinstance(table, list) and isinstance(steps, list) and len(table) <= MAX_LEDGER_ROWS
                     and len(steps) <= MAX_CHECKPOINTS):
                 raise ValueError("malformed lists")
-            rows = tuple({"peer": str(r["peer"])[:128], "samples": round(float(r["samples"])),
+            rows = tuple({"peer": str(r["peer"])[:128], "name": r.get("name", "") if name_ok(r.get("name", "")) else "",
+                          "samples": round(float(r["samples"])),
                           "rounds": round(float(r["rounds"]), 1), "last_step": int(r["last_step"])} for r in table)
             rec = cls(backbone, rows, tuple(int(x) for x in steps))
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError):

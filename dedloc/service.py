@@ -118,6 +118,8 @@ class PeerService(PeerAPI):
         return await self._store_progress(record, ttl)
 
     async def _store_progress(self, record: dict[str, Any], ttl: float) -> bool:
+        if self.node.config.name:  # who this peer says it is, with every record whichever role made it
+            record = {**record, "name": self.node.config.name}
         return await self.node.store(self.node.key("progress"), self.node.peer_id.to_base58(), record, ttl)
 
     async def read_progress(self) -> list[ProgressRecord]:

@@ -3,6 +3,7 @@ the test writes, scored with seqeval F1 and accuracy; inputs that do not fit fai
 
 import json
 import random
+import re
 
 import pytest
 
@@ -79,6 +80,11 @@ def test_finetune_ner_and_classification_from_a_checkpoint(setup, capsys):
     assert main(["finetune", "--task", "ner", "--train", files["ner_train"], "--validation", files["ner_valid"],
                  "--out", str(tmp_path / "ner"), *common]) == 0
     ner = json.loads((tmp_path / "ner" / "metrics.json").read_text())
+    # it said how far it was, and left a model transformers loads with its head
+    said = capsys.readouterr()
+    assert re.search(r"finetune: step \d+/\d+, epoch [\d.]+, loss [\d.]+", said.err), said.err[-2000:]
+    from transformers import AutoModelForTokenClassification
+    assert AutoModelForTokenClassification.from_pretrained(tmp_path / "ner").config.num_labels == 4
     assert ner["metrics"]["encoder_tensors_loaded"] > 10
     assert ner["labels"] == ["B-LOC", "B-ORG", "B-PER", "O"]
     assert ner["metrics"]["f1"] >= 0.8, ner["metrics"]
@@ -86,7 +92,7 @@ def test_finetune_ner_and_classification_from_a_checkpoint(setup, capsys):
                  files["cls_valid"], "--out", str(tmp_path / "cls"), *common]) == 0
     cls = json.loads((tmp_path / "cls" / "metrics.json").read_text())
     assert cls["metrics"]["accuracy"] >= 0.9, cls["metrics"]
-    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"')]
+    printed = [json.loads(line) for line in (said.out + capsys.readouterr().out).splitlines() if line.startswith('{"')]
     assert [p["task"] for p in printed] == ["ner", "classification"]
 
 

@@ -21,7 +21,7 @@ from dedloc.config import AveragingConfig, BackboneConfig, PeerConfig
 from dedloc.monitor.collector import Collector
 from dedloc.monitor.ledger import Ledger
 from dedloc.peer import Peer
-from dedloc.records import CreditRecord, LedgerRecord, ProgressRecord, Role, RoundReport, short_id
+from dedloc.records import CreditRecord, LedgerRecord, ProgressRecord, Role, RoundReport, label
 from dedloc.roles.backbone import Backbone
 from dedloc.testing.procs import sessions_alive, spawn_cli
 
@@ -76,9 +76,14 @@ def test_hostile_records_are_skipped_not_raised():
     assert RoundReport.list_from_wire("a", [report, {"r": 1}, report]) == [RoundReport.from_wire("a", report)] * 2
     assert RoundReport.from_wire("a", {**report, "h": [0.5]}) is None  # shares do not match the members
     assert RoundReport.list_from_wire("a", "not a list") == []
-    row = {"peer": "a", "samples": 66, "rounds": 2.0, "last_step": 9}
+    row = {"peer": "a", "name": "Ana", "samples": 66, "rounds": 2.0, "last_step": 9}
     ledger = LedgerRecord("b", (row,), (4, 8)).to_wire()
     assert LedgerRecord.from_wire("b", ledger) == LedgerRecord("b", (row,), (4, 8))
+    # a display name is the peer's own text: a terminal escape, a newline or a wall of text is refused
+    assert ProgressRecord.from_wire("a", {**good, "name": "Ana"}).name == "Ana"
+    for bad in ("\x1b[31mred", "two\nlines", "x" * 33, " padded", 7):
+        assert ProgressRecord.from_wire("a", {**good, "name": bad}) is None, bad
+        assert LedgerRecord.from_wire("b", {**ledger, "table": [{**row, "name": bad}]}).rows[0]["name"] == ""
     for bad in ({"table": [{**row, "samples": float("nan")}]}, {"table": [{"peer": "a"}]}, {"table": [row] * 201},
                 {"checkpoints": [-1]}, {"checkpoints": "x"}):
         assert LedgerRecord.from_wire("b", {**ledger, **bad}) is None, bad
@@ -91,9 +96,12 @@ def test_the_ledger_sums_its_sources_keeps_departed_ones_and_survives_a_restart(
     assert not ledger.observe([CreditRecord("g1", "i1", {"a": (30.0, 0.5, 4), "b": (10.0, 0.5, 4)})])  # no news
     # g1 restarts (a new incarnation, from 0); g2 left: its last totals still count
     ledger.observe([CreditRecord("g1", "i2", {"a": (6.0, 1.0, 9)})])
-    assert ledger.table() == [{"peer": "a", "samples": 66, "rounds": 2.0, "last_step": 9},
-                              {"peer": "b", "samples": 20, "rounds": 1.0, "last_step": 4}]
-    assert ledger.to_csv().splitlines() == ["peer,samples,rounds,last_step", "a,66,2.0,9", "b,20,1.0,4"]
+    assert ledger.table() == [{"peer": "a", "name": "", "samples": 66, "rounds": 2.0, "last_step": 9},
+                              {"peer": "b", "name": "", "samples": 20, "rounds": 1.0, "last_step": 4}]
+    assert ledger.to_csv().splitlines() == ["peer,name,samples,rounds,last_step", "a,,66,2.0,9", "b,,20,1.0,4"]
+    assert ledger.named([ProgressRecord("a", 1, 0, 1.0, Role.TRAINER, name="Ana"), ProgressRecord("b", 1, 0, 1.0, Role.TRAINER)])
+    assert not ledger.named([ProgressRecord("a", 2, 0, 1.0, Role.TRAINER, name="Ana")])  # no news
+    assert [r["name"] for r in ledger.table()] == ["Ana", ""]
     path = str(tmp_path / "ledger.json")
     ledger.save(path)
     assert Ledger.load(path).table() == ledger.table()
@@ -131,6 +139,10 @@ def _publish(peer: Peer, step: int, loss: float, samples: int) -> None:
                                loss_step=step - 1, loss_samples=samples))
 
 
+NAME = "Rahim's [b]laptop[/b] <i>"
+"""Peer 0's display name: markup for rich and for the page, which must show it as it is."""
+
+
 class Collab:
     """A backbone serving the dashboard, and three peers that ran two rounds and published losses."""
 
@@ -145,7 +157,8 @@ class Collab:
             # (their progress records, and the backbone's, published once, live for the module's tests: 10
             # min, not 30 s: on a pytest-xdist worker a test may wait its turn while another runs alone)
             configs = [PeerConfig(run_id=self.rid, initial_peers=tuple(self.bb.maddrs), progress_ttl=600,
-                                  metrics_port=self.metrics_port if i == 0 else -1) for i in range(3)]
+                                  metrics_port=self.metrics_port if i == 0 else -1, name=NAME if i == 0 else "")
+                       for i in range(3)]
             with cf.ThreadPoolExecutor(3) as pool:
                 self.peers = list(pool.map(lambda c: Peer(c, avg), configs))
             weights = [10.0, 20.0, 30.0]
@@ -190,6 +203,10 @@ def test_the_backbone_ledger_counts_what_aggregators_accepted_and_survives_a_res
     assert main(["ledger", str(collab.ckpt), "--format", "json"]) == 0
     exported = json.loads(capsys.readouterr().out)
     assert {r["peer"]: (r["samples"], r["rounds"]) for r in exported} == collab.expected
+    # a volunteer finds itself by the name it chose (--name), kept with the ledger across restarts
+    assert {r["peer"]: r["name"] for r in exported} == {p.peer_id: p.config.name for p in collab.peers}
+    assert main(["ledger", str(collab.ckpt), "--format", "csv"]) == 0
+    assert f'{collab.peers[0].peer_id},"{NAME}",' in capsys.readouterr().out
 
 
 def test_the_dashboard_serves_peers_loss_plan_ledger_and_metrics(collab):
@@ -204,7 +221,9 @@ def test_the_dashboard_serves_peers_loss_plan_ledger_and_metrics(collab):
     assert s["step"] == 2 and s["plan"]["strategy"] and len(s["plan"]["peers"]) == 3
     assert s["loss"]["loss"][s["loss"]["step"].index(1)] == pytest.approx((2 * 10 + 3 * 20 + 4 * 30) / 60)
     assert {r["peer"]: r["samples"] for r in s["ledger"]["peers"]} == {p: v[0] for p, v in collab.expected.items()}
-    assert _get(collab.url + "api/ledger.csv").decode().splitlines()[0] == "peer,samples,rounds,last_step"
+    assert _get(collab.url + "api/ledger.csv").decode().splitlines()[0] == "peer,name,samples,rounds,last_step"
+    assert s["names"] == {collab.peers[0].peer_id: NAME}
+    assert {p["peer"]: p["name"] for p in s["peers"]}[collab.peers[0].peer_id] == NAME
     scraped = _get(collab.url + "metrics").decode()
     assert "dedloc_global_step 2.0" in scraped and 'dedloc_peers{role="trainer"} 3.0' in scraped
 
@@ -264,7 +283,8 @@ def _check_in_browser(url: str, peers: list[Peer]) -> None:
             roles = sorted(page.locator("#peers tbody tr td:nth-child(2)").all_inner_texts())
             assert roles == ["backbone", "trainer", "trainer", "trainer"]
             shown = set(page.locator("#peers tbody tr td:nth-child(1)").all_inner_texts())
-            assert {short_id(p.peer_id) for p in peers} <= shown, shown  # as the trainer's table shows them
+            # as the trainer's table shows them: a chosen name beside the short id, as text (not markup)
+            assert {label(p.peer_id, p.config.name) for p in peers} <= shown, shown
             assert page.inner_text("#peer-count") == "4" and page.inner_text("#step") == "2"
             assert "partitioned" in page.inner_text("#plan") or "ring" in page.inner_text("#plan")
             assert page.locator("#loss-chart .main-svg").count() >= 1  # Plotly drew the chart

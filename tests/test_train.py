@@ -1,7 +1,8 @@
 """`dedloc train` end to end, as volunteers run it: a backbone and two trainer commands on one
-corpus; both stop at --max-steps with identical parameters, handing the final state to the
-backbone; one restarts with the same state directory, keeps its peer id, resumes the
-collaboration's state, continues its data where it stopped, and Ctrl+C leaves no process behind."""
+corpus (one joins with the organiser's manifest line); both stop at --max-steps with identical
+parameters, handing the final state to the backbone; one restarts with the same state directory,
+keeps its peer id, resumes the collaboration's state, continues its data where it stopped, and
+Ctrl+C leaves no process behind; a volunteer with another recipe is refused before it downloads."""
 
 import json
 import os
@@ -13,7 +14,7 @@ import time
 import pytest
 
 from dedloc.cli import main
-from dedloc.testing.procs import children, processes, spawn_cli
+from dedloc.testing.procs import children, cli_command, processes, spawn_cli
 
 from conftest import run_id
 
@@ -44,7 +45,7 @@ def alive(pids):
 
 
 @pytest.mark.timeout(280)
-def test_two_trainers_then_a_restart_resumes_identity_state_and_data(tmp_path):
+def test_a_volunteer_joins_with_the_manifest_line_another_recipe_is_refused_a_restart_resumes_its_state_and_data(tmp_path):
     corpus(tmp_path / "corpus.jsonl")
     assert main(["tokenizer", "--data", str(tmp_path / "corpus.jsonl"), "--vocab-size", "200",
                  "--out", str(tmp_path / "tok")]) == 0
@@ -56,14 +57,28 @@ def test_two_trainers_then_a_restart_resumes_identity_state_and_data(tmp_path):
         line = backbone.stdout.readline()
         maddr = re.search(r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", line)
         assert maddr, line
+        shape = ["--target-batch-size", "24", "--hidden-size", "32", "--intermediate-size", "64",
+                 "--embedding-size", "16", "--layers", "1", "--seq-len", "32"]
         common = ["--run-id", run, "--initial-peers", maddr.group(1), "--tokenizer", str(tmp_path / "tok"),
-                  "--data", str(tmp_path / "corpus.jsonl"), "--target-batch-size", "24", "--micro-batch", "4",
-                  "--hidden-size", "32", "--intermediate-size", "64", "--embedding-size", "16", "--layers", "1",
-                  "--seq-len", "32", "--shuffle-buffer", "32", "--log-level", "INFO"]
+                  "--data", str(tmp_path / "corpus.jsonl"), *shape, "--micro-batch", "4",
+                  "--shuffle-buffer", "32", "--log-level", "INFO"]
+        # the organiser's manifest: a volunteer joins with the line it prints and its own choices alone
+        made = subprocess.run(cli_command("run", "manifest", "--run-id", run, "--recipe", "tiny-mlm", *shape,
+                                          "--tokenizer", str(tmp_path / "tok"), "--data", str(tmp_path / "corpus.jsonl"),
+                                          "--initial-peers", maddr.group(1)), capture_output=True, text=True, timeout=60)
+        join = re.search(r"dedloc train (--join dlj1\.\S+)", made.stdout)
+        assert join, made.stdout + made.stderr
+        # the volunteer's machine, checked against the run without joining it
+        doctor = subprocess.run(cli_command("doctor", *join.group(1).split(), "--state-dir", str(tmp_path / "peer1")),
+                                capture_output=True, text=True, timeout=120)
+        assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+        for says in ("tokenizer: ", "tokens", "data: ", "readable", f"initial peer: {maddr.group(1)}: answers",
+                     "reachable: public", "all checks passed"):
+            assert says in doctor.stdout, doctor.stdout
 
-        def trainer(i, steps):
+        def trainer(i, steps, *argv):
             limit = ["--max-steps", str(steps)] if steps else []
-            return spawn_cli("train", *common, "--state-dir", str(tmp_path / f"peer{i}"), *limit,
+            return spawn_cli("train", *(argv or common), "--state-dir", str(tmp_path / f"peer{i}"), *limit,
                              "--out", str(tmp_path / f"out{i}-{steps}"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -83,7 +98,7 @@ def test_two_trainers_then_a_restart_resumes_identity_state_and_data(tmp_path):
             assert proc.returncode == 0, out[-4000:]
             return out
 
-        first = [trainer(0, 4), trainer(1, 4)]
+        first = [trainer(0, 4), trainer(1, 4, *join.group(1).split(), "--micro-batch", "4", "--log-level", "INFO")]
         logs = [finish(p) for p in first]
         # off a terminal, progress is one line per global step (a log file stayed empty until exit: issue 41)
         assert re.search(r"global step [1-4]/4: loss \d+\.\d{3}, \d+ samples/s, batch \d+, \d+ peers", logs[0]), logs[0][-3000:]
@@ -107,6 +122,17 @@ def test_two_trainers_then_a_restart_resumes_identity_state_and_data(tmp_path):
         while json.loads(position.read_text())["samples"] < a["samples"] + 2 * 24:  # two more global steps
             assert again.poll() is None and time.monotonic() < deadline, again.stdout.read()[-4000:]
             time.sleep(0.2)
+        # a volunteer whose recipe differs (here its learning rate: the shapes still fit) is refused by
+        # name, before it downloads anything
+        other = trainer(2, 0, *common, "--lr", "0.5")
+        try:
+            out, _ = other.communicate(timeout=120)
+        finally:
+            if other.poll() is None:
+                os.killpg(other.pid, signal.SIGKILL)
+        assert other.returncode == 2, out[-4000:]
+        assert re.search(r"are not the run's \(hash \w+, published by [^)]*" + a["peer_id"][-8:], out), out[-4000:]
+        assert "downloading the state" not in out and "downloaded from" not in out, out[-4000:]
         family = descendants(again.pid)
         assert len(family) >= 3, family  # the DataLoader worker, the peer's runtime and its p2p daemon
         again.send_signal(signal.SIGINT)

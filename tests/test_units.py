@@ -2,6 +2,7 @@
 
 from dataclasses import replace
 import asyncio
+import contextlib
 import math
 
 import pytest
@@ -218,6 +219,10 @@ def test_one_members_far_step_is_not_the_runs():
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="run_id"):
         PeerConfig(run_id="bad id!").validate()
+    for name in ("\x1b[2J", "x" * 33, "tab\tname ", ""):
+        with pytest.raises(ConfigError, match="name") if name else contextlib.nullcontext():
+            PeerConfig(name=name).validate()
+    assert PeerConfig(name="Rahim's RTX 3060").validate().name == "Rahim's RTX 3060"
     with pytest.raises(ConfigError, match=r"initial_peers 'localhost:1234' is not a multiaddr: .* such as /ip4/"):
         PeerConfig(initial_peers=("localhost:1234",)).validate()
     with pytest.raises(ConfigError, match="multiaddr"):
@@ -711,6 +716,58 @@ def test_an_owners_tasks_end_with_it_and_a_failure_is_logged_by_owner(caplog):
 
 
 # ---- the optimizer's step rules (optim/step_rules.py), on made-up records ------------------------
+def test_a_volunteer_whose_recipe_is_not_the_runs_is_told_before_it_downloads():
+    """A volunteer who forgot `--recipe albert-mlm` downloaded the whole state before "the state does
+    not fit this model" (issue 41). Every training peer publishes its run-wide settings' hash; the run's
+    is the one most others publish, and a tie goes against the joining peer."""
+    def view(*hashes, roles=None):
+        return CollaborationView.build([ProgressRecord(f"p{i}", 5, 0, 1.0, (roles or {}).get(i, Role.TRAINER), run_hash=h)
+                                        for i, h in enumerate(hashes)], 1000.0)
+
+    assert view("aa", "aa").settings_mismatch("new", "bb") == ("aa", ("p0", "p1"))
+    assert view("aa", "aa").settings_mismatch("new", "aa") is None
+    assert view("aa", "aa", "bb").settings_mismatch("new", "aa") is None  # a peer that got in wrong is outvoted
+    assert view("aa", "bb").settings_mismatch("new", "aa") == ("bb", ("p1",))  # a tie: the newcomer yields
+    assert view("aa").settings_mismatch("p0", "bb") is None  # its own record is not the run's
+    assert view("", "").settings_mismatch("new", "aa") is None  # peers that publish none (the Python API, old versions)
+    # backbones and aggregators train nothing: their records say nothing of the settings
+    assert view("aa", "aa", roles={0: Role.BACKBONE, 1: Role.AGGREGATOR}).settings_mismatch("new", "bb") is None
+    assert view("aa", roles={0: Role.CLIENT}).settings_mismatch("new", "bb") == ("aa", ("p0",))
+    wire = ProgressRecord("x", 1, 0, 1.0, Role.TRAINER, run_hash="aa").to_wire()
+    assert ProgressRecord.from_wire("x", wire).run_hash == "aa"
+    for bad in ({"run_hash": "a" * 65}, {"run_hash": ["aa"]}, {"run_hash": None}):
+        assert ProgressRecord.from_wire("x", {**wire, **bad}) is None
+    with pytest.raises(ConfigError, match="run_hash"):
+        from dedloc.config import OptimizerConfig
+        OptimizerConfig(run_hash="a\n").validate()
+
+
+def test_a_joining_optimizer_with_other_settings_is_refused_before_it_downloads_and_leaves_no_record():
+    from dedloc.config import OptimizerConfig
+    from dedloc.errors import SettingsMismatch
+    from dedloc.optim import CollaborativeOptimizer
+    from dedloc.testing.fake_peer import FakeRun
+
+    run = FakeRun()
+    try:
+        def member(run_hash: str):
+            model = torch.nn.Linear(2, 1)
+            return model, CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), run.peer(),
+                                                 OptimizerConfig(target_batch_size=4, run_hash=run_hash))
+        model, first = member("aa")
+        for _ in range(2):  # the run takes steps: a newcomer would download its state
+            model(torch.ones(4, 2)).sum().backward()
+            first.step(4)
+        assert first.global_step == 2
+        with pytest.raises(SettingsMismatch, match=f"hash bb\\) are not the run's \\(hash aa, published by {first.peer.peer_id}"):
+            member("bb")
+        assert set(run.records) == {first.peer.peer_id}  # it left: its step-0 record is not the run's
+        _, second = member("aa")  # the run's settings join as ever
+        assert second.peer.peer_id in run.records
+    finally:
+        run.close()
+
+
 def _rec(peer: str, step: int, role: Role = Role.TRAINER, applied: int | None = None, t: float = 1000.0,
          syncing: bool = False) -> ProgressRecord:
     return ProgressRecord(peer, step, 8, 4.0, role, 0.0, t, fingerprint="" if applied is None else f"{applied}:h{applied}",
@@ -1005,10 +1062,11 @@ def test_the_progress_table_shows_peers_by_their_last_8_characters_and_marks_thi
     me, other = "12D3KooW" + "A" * 36 + "aaaaaaaa", "12D3KooW" + "B" * 36 + "bbbbbbbb"
     display = ProgressDisplay("t", me=me)
     display.view = CollaborationView.build([ProgressRecord(me, 1, 0, 0.0, Role.TRAINER),
-                                            ProgressRecord(other, 1, 0, 0.0, Role.TRAINER)])
+                                            ProgressRecord(other, 1, 0, 0.0, Role.TRAINER, name="[red]Ana[/red]")])
     console = Console(record=True, width=120)
     console.print(display.render())
     text = console.export_text()
     assert "aaaaaaaa (you)" in text and "bbbbbbbb" in text and "bbbbbbbb (you)" not in text and "12D3KooW" not in text
+    assert "[red]Ana[/red] (bbbbbbbb)" in text  # a chosen name (--name), shown as written: never markup
     display.add(StepEvent(0, 24.0, 8, 40.0, 100.0))  # the line a log file gets per global step
     assert display.line().startswith("global step 1: loss 3.000, 100 samples/s, batch 40, 2 peers, checkpoint -, ")

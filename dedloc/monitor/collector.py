@@ -87,6 +87,7 @@ class Collector:
             del self.rounds[rid]
         self.ledger.observe(r for p, v in raw.get("credits", {}).items()
                             if (r := CreditRecord.from_wire(p, v)) is not None)
+        self.ledger.named(progress)
         backbones = {r.peer_id for r in progress if r.role == Role.BACKBONE}
         self.backbone_ledgers = {p: r for p, v in raw.get("ledger", {}).items()
                                  if p in backbones and (r := LedgerRecord.from_wire(p, v)) is not None}
@@ -94,7 +95,7 @@ class Collector:
         for r in progress:
             cap = caps.get(r.peer_id)
             self.peers[r.peer_id] = {
-                "peer": r.peer_id, "role": r.role.value, "step": r.step, "samples_per_second": r.samples_per_second,
+                "peer": r.peer_id, "name": r.name, "role": r.role.value, "step": r.step, "samples_per_second": r.samples_per_second,
                 "last_seen_s": max(0.0, now - r.time),
                 "reachability": _reachability(cap),
                 "upload_Bps": cap.upload if cap else 0.0, "download_Bps": cap.download if cap else 0.0}
@@ -153,13 +154,17 @@ class Collector:
         steps, loss = self.loss_curve()
         source, board = self.leaderboard()
         rounds = self.recent_rounds()
+        # display names (PeerConfig.name) of the peers shown: the live ones', and those the ledger remembers
+        names = {r["peer"]: r["name"] for r in board if r.get("name")}
+        names.update((p["peer"], p["name"]) for p in self.peers.values() if p["name"])
         return {"run_id": self.run_id, "time": self.last_poll, "polls": self.polls, "error": self.error,
                 "step": self.steps[-1][1] if self.steps else -1, "eta_s": self.eta_s(),
                 "history": {"step": [list(x) for x in self.steps], "samples_per_second": [list(x) for x in self.speed]},
                 "loss": {"step": steps, "loss": loss},
                 "peers": sorted(self.peers.values(), key=lambda p: (p["role"], p["peer"])),
                 "plan": rounds[0] if rounds else None, "rounds": rounds[:20],
-                "checkpoints": self.checkpoints(), "ledger": {"source": source, "peers": board}}
+                "checkpoints": self.checkpoints(), "ledger": {"source": source, "peers": board},
+                "names": names}
 
 
 def _reachability(cap: CapabilityRecord | None) -> str:

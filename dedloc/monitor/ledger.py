@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from dedloc.files import write_atomically
-from dedloc.records import CreditRecord
+from dedloc.records import CreditRecord, ProgressRecord, name_ok
 
-COLUMNS = ["peer", "samples", "rounds", "last_step"]
+COLUMNS = ["peer", "name", "samples", "rounds", "last_step"]
 MAX_SOURCES = 100_000
+MAX_NAMES = 100_000
 
 
 def rows_csv(rows: list[dict]) -> str:
@@ -46,6 +47,8 @@ def rows_csv(rows: list[dict]) -> str:
 class Ledger:
     sources: dict[str, dict[str, tuple[float, float, int]]] = field(default_factory=dict)
     """``"<aggregator>/<incarnation>"`` -> contributor -> (samples, rounds, last step): its last totals."""
+    names: dict[str, str] = field(default_factory=dict)
+    """Peer id -> the display name it last published (``PeerConfig.name``)."""
 
     def observe(self, records: Iterable[CreditRecord]) -> bool:
         """Take in credit records (the newest totals of each source); True if anything changed."""
@@ -57,8 +60,18 @@ class Ledger:
                 changed = True
         return changed
 
+    def named(self, records: Iterable[ProgressRecord]) -> bool:
+        """Take in the display names that progress records carry; True if any changed."""
+        changed = False
+        for r in records:
+            if r.name and self.names.get(r.peer_id) != r.name and (r.peer_id in self.names or len(self.names) < MAX_NAMES):
+                self.names[r.peer_id] = r.name
+                changed = True
+        return changed
+
     def table(self) -> list[dict]:
-        """Rows ``{peer, samples, rounds, last_step}`` summed over sources, most samples first."""
+        """Rows ``{peer, name, samples, rounds, last_step}`` summed over sources, most samples first
+        (``name``: the peer's display name, empty if it published none)."""
         totals: dict[str, list] = {}
         for credits in self.sources.values():
             for peer, (samples, rounds, last) in credits.items():
@@ -66,14 +79,15 @@ class Ledger:
                 t[0] += samples
                 t[1] += rounds
                 t[2] = max(t[2], last)
-        return [{"peer": p, "samples": round(s), "rounds": round(r, 1), "last_step": last}
+        return [{"peer": p, "name": self.names.get(p, ""), "samples": round(s), "rounds": round(r, 1), "last_step": last}
                 for p, (s, r, last) in sorted(totals.items(), key=lambda kv: (-kv[1][0], kv[0]))]
 
     def to_csv(self) -> str:
         return rows_csv(self.table())
 
     def to_json(self) -> dict:
-        return {"sources": {k: {p: list(v) for p, v in c.items()} for k, c in self.sources.items()}}
+        return {"sources": {k: {p: list(v) for p, v in c.items()} for k, c in self.sources.items()},
+                "names": dict(self.names)}
 
     @classmethod
     def from_json(cls, obj: dict) -> "Ledger":
@@ -81,9 +95,12 @@ class Ledger:
         try:
             sources = {str(k): {str(p): (float(s), float(r), int(last)) for p, (s, r, last) in c.items()}
                        for k, c in obj["sources"].items()}
+            names = {str(p): n for p, n in obj.get("names", {}).items()}  # (a ledger saved before names: none)
+            if not all(name_ok(n) for n in names.values()):
+                raise ValueError("a name is not printable or too long")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"malformed ledger: {e!r}") from None
-        return cls(sources)
+        return cls(sources, names)
 
     def save(self, path: str) -> None:
         """Write to ``path`` atomically (a crash leaves the old file or the new one)."""

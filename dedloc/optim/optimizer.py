@@ -53,7 +53,7 @@ import torch
 
 from dedloc.averaging.outcome import RoundOutcome
 from dedloc.config import OptimizerConfig
-from dedloc.errors import AveragingError, LoneStepDeclined, MatchmakingError, RuntimeClosedError
+from dedloc.errors import AveragingError, LoneStepDeclined, MatchmakingError, RuntimeClosedError, SettingsMismatch
 from dedloc.logs import OncePerStep
 from dedloc.optim import step_rules
 from dedloc.optim.accumulator import GradientAccumulator
@@ -64,7 +64,7 @@ from dedloc.optim.scaling import CollaborativeScale
 from dedloc.optim.state_sync import CatchUp, Downloaded, Refused, Retrying, StateSync
 from dedloc.optim.step_rules import Action, Mode
 from dedloc.optim.port import PeerPort
-from dedloc.records import CollaborationView, ProgressRecord, Role
+from dedloc.records import CollaborationView, ProgressRecord, Role, short_id
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class CollaborativeOptimizer:
                                 verify=self.config.verify_sync)
         self.params = self.local.params
         self.acc = GradientAccumulator(self.params)
-        self.progress = Progress(peer, self.config.target_batch_size)
+        self.progress = Progress(peer, self.config.target_batch_size, self.config.run_hash)
         self._noted = OncePerStep(logger)
         """Conditions met again and again within a step (held back, already holds the state): INFO once."""
         self.sync = StateSync(peer, self.config, self.local, self.progress, lambda: self._record(busy=False),
@@ -149,8 +149,26 @@ class CollaborativeOptimizer:
         self._returned_at: tuple[float, float] | None = None
         """When ``step`` last returned (monotonic, wall clock): the training loop's time away since."""
         view = self._report(busy=False)
+        self._check_settings(view)
         if view.global_step > self.global_step or self.sync.disagreement(view):
             self._resync(view, "joining a collaboration at step %d" % view.global_step)
+
+    def _check_settings(self, view: CollaborationView) -> None:
+        """Joining: refuse to train with settings other than the run's, before downloading anything
+        (``OptimizerConfig.run_hash``). A volunteer who forgot ``--recipe albert-mlm`` downloaded the
+        whole state before "the state does not fit this model"; one who changed a run-wide value that
+        keeps the shapes (``--lr``) would have trained on, outvoted and resynced at every step."""
+        mine = self.config.run_hash
+        found = view.settings_mismatch(self.peer.peer_id, mine) if mine else None
+        if found is None:
+            return
+        theirs, peers = found
+        self.peer.leave()  # its record (step 0) is not one of the run's
+        raise SettingsMismatch(
+            f"this peer's run-wide settings (hash {mine}) are not the run's (hash {theirs}, published by "
+            f"{', '.join(map(short_id, peers[:5]))}{' and others' if len(peers) > 5 else ''}): it would train "
+            f"another model or with other hyperparameters. Join with the run's manifest (dedloc train --join "
+            f"TOKEN) or with exactly its --recipe and recipe options", peers=peers)
 
     # ---- what it is doing --------------------------------------------------------------------------------
     @property

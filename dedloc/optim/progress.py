@@ -85,8 +85,10 @@ class Facts:
 class Progress:
     """Publishes this peer's progress and keeps the view of the collaboration it reads back."""
 
-    def __init__(self, peer: PeerPort, target_batch_size: int):
+    def __init__(self, peer: PeerPort, target_batch_size: int, run_hash: str = ""):
         self.peer, self.target = peer, target_batch_size
+        self.run_hash = run_hash
+        """Published with every record (``OptimizerConfig.run_hash``)."""
         self.sps, self.mb_time, self.latency = Ema(), Ema(), Ema()
         self.claims = ClaimBounds(target_batch_size)
         """Bounds each peer's sample count and round weight by what it could have computed (claims.py)."""
@@ -129,7 +131,7 @@ class Progress:
         return ProgressRecord(self.peer.peer_id, facts.step, facts.samples, self.sps.value,
                               self.peer.role, 0.0, now, now + self.mb_time.value if busy else 0.0,
                               facts.fingerprint, loss, loss_step, loss_samples, facts.resyncs, facts.catchups,
-                              facts.syncing)
+                              facts.syncing, self.run_hash)
 
     def report(self, record: ProgressRecord) -> CollaborationView:
         """Publish this peer's progress and read everyone's, waiting for the DHT."""

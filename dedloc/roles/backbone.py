@@ -262,6 +262,7 @@ class Backbone:
             logger.debug(f"could not read the credits: {e}")
             return False
         changed = self.ledger.observe(r for p, v in raw.items() if (r := CreditRecord.from_wire(p, v)) is not None)
+        changed = self.ledger.named(self.view.peers if self.view is not None else ()) or changed
         if changed:
             self.ledger.save(self.ledger_path)
         try:

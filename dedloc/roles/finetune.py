@@ -26,6 +26,7 @@ from dedloc.errors import ConfigError, DataError
 from dedloc.extras import require
 from dedloc.files import make_dir
 from dedloc.recipes.mlm import MLMRecipe
+from dedloc.state.checkpoint import model_weights
 
 TASKS = ("ner", "classification")
 WIKIANN_LABELS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC")
@@ -60,7 +61,9 @@ class FinetuneConfig:
     seed: int = 0
     """Seed of the task head and the data order."""
     out: str = "finetune-out"
-    """Where metrics.json (and the Trainer's files) go."""
+    """Where metrics.json and the fine-tuned model (save_pretrained, with the tokenizer) go."""
+    device: str = "auto"
+    """'auto' (CUDA if available, else CPU), 'cpu' or 'cuda' (as dedloc train's)."""
 
     def validate(self) -> "FinetuneConfig":
         if self.task not in TASKS:
@@ -68,33 +71,13 @@ class FinetuneConfig:
         for name in ("checkpoint", "tokenizer", "train", "validation"):
             if not getattr(self, name):
                 raise ConfigError(f"invalid config: --{name} is required")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"invalid config: device must be auto, cpu or cuda (got {self.device!r})")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("invalid config: device 'cuda', but CUDA is not available here")
         if self.epochs <= 0 or self.lr <= 0 or self.batch_size < 1 or self.max_length < 8:
             raise ConfigError("invalid config: epochs and lr must be > 0, batch_size >= 1, max_length >= 8")
         return self
-
-
-def load_encoder_state(path: str) -> dict[str, torch.Tensor]:
-    """The model weights in a backbone checkpoint (a file, or the newest in a directory)."""
-    from dedloc.state import snapshot
-    from dedloc.state.checkpoint import CheckpointStore
-
-    if os.path.isdir(path):
-        found = CheckpointStore(path, writer=False).latest()
-        if found is None:
-            raise DataError(f"--checkpoint {path!r}: no checkpoint in this directory")
-        blob = found[1]
-    elif os.path.isfile(path):
-        with open(path, "rb") as f:
-            blob = f.read()
-    else:
-        raise DataError(f"--checkpoint {path!r}: no such file or directory")
-    try:
-        state = snapshot.decode(blob)
-    except Exception as e:
-        raise DataError(f"--checkpoint {path!r}: not a dedloc checkpoint: {e}") from None
-    if "model" not in state:
-        raise DataError(f"--checkpoint {path!r}: holds no model weights")
-    return state["model"]
 
 
 def _split(spec: str, split: str) -> Any:
@@ -134,7 +117,7 @@ def finetune(config: FinetuneConfig, recipe: MLMRecipe) -> dict[str, float]:
     if config.task == "ner":
         require("seqeval.metrics")  # scored after the last epoch: missing, it failed only then
     tokenizer = load_tokenizer(config.tokenizer)
-    encoder = load_encoder_state(config.checkpoint)
+    encoder = model_weights(config.checkpoint)
     train, valid = _split(config.train, "train"), _split(config.validation, "validation")
     ner = config.task == "ner"
     need = ("tokens", "ner_tags") if ner else ("text", "label")
@@ -201,14 +184,32 @@ def finetune(config: FinetuneConfig, recipe: MLMRecipe) -> dict[str, float]:
         output_dir=config.out, num_train_epochs=config.epochs, learning_rate=config.lr,
         per_device_train_batch_size=config.batch_size, per_device_eval_batch_size=config.batch_size,
         eval_strategy="no", save_strategy="no", report_to=[], seed=config.seed, disable_tqdm=True,
-        logging_strategy="no", use_cpu=not torch.cuda.is_available())
+        logging_strategy="steps", logging_steps=0.1, use_cpu=config.device == "cpu" or not torch.cuda.is_available())
     trainer = transformers.Trainer(model=model, args=args, train_dataset=train, eval_dataset=valid,
-                                   data_collator=collator, compute_metrics=metrics)
+                                   data_collator=collator, compute_metrics=metrics,
+                                   callbacks=[_progress_lines(transformers)])
+    trainer.remove_callback(transformers.PrinterCallback)  # (its dicts on stdout: ours are lines on stderr)
     trainer.train()
     result = {k.removeprefix("eval_"): float(v) for k, v in trainer.evaluate().items()}
     result.update(task=config.task, train_examples=len(train), validation_examples=len(valid),
                   encoder_tensors_loaded=len(loaded))
     make_dir(config.out, "--out")
+    trainer.save_model(config.out)  # a model directory: from_pretrained(out) with the task head
+    tokenizer.save_pretrained(config.out)
     with open(os.path.join(config.out, "metrics.json"), "w") as f:
         json.dump({"metrics": result, "config": dataclasses.asdict(config), "labels": names}, f, indent=2)
     return result
+
+
+def _progress_lines(transformers: Any) -> Any:
+    """One line on stderr per tenth of the training (``logging_steps=0.1``): step/total, epoch and the
+    training loss since the last line (a fine-tuning run was silent until its metrics)."""
+    import sys
+
+    class Lines(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                print(f"finetune: step {state.global_step}/{state.max_steps}, epoch {state.epoch or 0:.2f}, "
+                      f"loss {logs['loss']:.4f}", file=sys.stderr, flush=True)
+
+    return Lines()

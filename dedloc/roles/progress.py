@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dedloc.records import CollaborationView, short_id
+from dedloc.records import CollaborationView, label
 
 
 @dataclass
@@ -84,6 +84,7 @@ class ProgressDisplay:
     def render(self):
         from rich.console import Group
         from rich.table import Table
+        from rich.text import Text  # a name is the peer's own text: never read as markup
 
         table = Table(title=self.title, expand=False)
         for col in ("global step", "loss", "samples/s", "batch", "checkpoint", "elapsed"):
@@ -95,5 +96,5 @@ class ProgressDisplay:
         if self.view is not None:
             for r in self.view.peers:
                 you = " (you)" if r.peer_id == self.me else ""
-                peers.add_row(short_id(r.peer_id) + you, r.role.value, str(r.step), str(r.samples), f"{r.samples_per_second:.0f}")
+                peers.add_row(Text(label(r.peer_id, r.name) + you), r.role.value, str(r.step), str(r.samples), f"{r.samples_per_second:.0f}")
         return Group(table, peers)

@@ -15,7 +15,7 @@ import time
 from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.data.mlm import DataConfig
 from dedloc.recipes.mlm import MLMRecipe
-from dedloc.records import Role, short_id
+from dedloc.records import Role, label
 from dedloc.roles.trainer import TrainConfig, Trainer
 
 
@@ -38,12 +38,14 @@ def train(config: TrainConfig, recipe: MLMRecipe, data: DataConfig, peer_config:
         trainer = Trainer(config, recipe, data, peer_config, averaging)
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    display = ProgressDisplay(f"dedloc train: {config.recipe} on {trainer.device} as {short_id(trainer.peer_id)}",
+    display = ProgressDisplay(f"dedloc train: {config.recipe} on {trainer.device} as "
+                              f"{label(trainer.peer_id, peer_config.name)}",
                               config.max_steps, me=trainer.peer_id)
     peer = trainer.peer
     how = "client mode (it accepts no connections)" if peer.config.client_mode else \
         f"{'reachable' if peer.reachable else 'not reachable'} ({peer.reachability})"
-    console.print(f"peer {trainer.peer_id} joined run {peer.config.run_id!r} at global step {trainer.opt.global_step}: "
+    named = f" ({peer_config.name})" if peer_config.name else ""
+    console.print(f"peer {trainer.peer_id}{named} joined run {peer.config.run_id!r} at global step {trainer.opt.global_step}: "
                   f"{config.recipe} on {trainer.device} ({trainer.precision}), micro-batch {recipe.micro_batch}, "
                   f"{how}, {len(peer.config.initial_peers)} initial peer(s); identity and data position in "
                   f"{trainer.state_dir}", soft_wrap=True)

@@ -54,7 +54,8 @@ class TrainConfig:
     out: str | None = None
     """Write loss.png and summary.json into this directory at the end."""
     device: str = "auto"
-    """'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
+    """'auto' (CUDA if available, else CPU), 'cpu', 'cuda', 'cuda:N' or 'mps' (Apple GPUs, fp32 or
+    bf16; not covered by this project's CI, which has no Apple hardware)."""
     handover_timeout: float = 90.0
     """After the last step (--max-steps), keep serving this peer's state for up to this many seconds,
     until a backbone has checkpointed it (0: leave at once)."""
@@ -68,8 +69,8 @@ class TrainConfig:
             raise ConfigError("invalid config: handover_timeout must be >= 0")
         if self.throttle < 0:
             raise ConfigError("invalid config: throttle must be >= 0")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ConfigError(f"invalid config: device must be auto, cpu, cuda or cuda:N (got {self.device!r})")
+        if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
+            raise ConfigError(f"invalid config: device must be auto, cpu, cuda, cuda:N or mps (got {self.device!r})")
         return self
 
 
@@ -79,6 +80,8 @@ def pick_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"invalid config: device {name!r}, but CUDA is not available here")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("invalid config: device 'mps', but this torch build or machine has no Apple GPU (MPS)")
     return device
 
 
@@ -87,7 +90,8 @@ def pick_precision(name: str, device: torch.device) -> str:
     if name == "auto":
         return "fp16" if device.type == "cuda" else "fp32"
     if name == "fp16" and device.type != "cuda":
-        raise ConfigError("invalid config: precision fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
+        raise ConfigError(f"invalid config: precision fp16 needs a CUDA device (its loss scaler is CUDA's; use bf16 "
+                          f"or fp32 on {device.type})")
     return name
 
 
@@ -114,6 +118,7 @@ class Trainer:
         from dedloc.data.tokenizer import load_tokenizer
         from dedloc.optim import CollaborativeOptimizer
         from dedloc.peer import Peer
+        from dedloc.roles.manifest import recipe_hash
 
         if peer_config.identity_path is None:
             peer_config = dataclasses.replace(peer_config, identity_path=os.path.join(self.state_dir, "identity.key"))
@@ -145,7 +150,8 @@ class Trainer:
             self.opt = CollaborativeOptimizer(
                 optimizer, self.peer, OptimizerConfig(target_batch_size=recipe.target_batch_size,
                                                       delay_updates=recipe.delay_updates,
-                                                      clip_grad_norm=recipe.clip_grad_norm),
+                                                      clip_grad_norm=recipe.clip_grad_norm,
+                                                      run_hash=recipe_hash(recipe)),
                 scheduler=recipe.build_scheduler(optimizer), scaler=self.scaler, model=self.model)
         except BaseException:
             self.close()

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from dedloc.files import make_dir
-from dedloc.errors import ProtocolError
+from dedloc.errors import DataError, ProtocolError
 from dedloc.files import write_atomically
 from dedloc.state import snapshot
 
@@ -60,3 +60,25 @@ class CheckpointStore:
                 continue
             return step, blob
         return None
+
+
+def model_weights(path: str, what: str = "--checkpoint") -> dict:
+    """The model weights in a backbone checkpoint ``path`` (a file, or the newest in a directory),
+    for fine-tuning and export; DataError naming ``what`` and the path if there are none."""
+    if os.path.isdir(path):
+        found = CheckpointStore(path, writer=False).latest()
+        if found is None:
+            raise DataError(f"{what} {path!r}: no checkpoint in this directory")
+        blob = found[1]
+    elif os.path.isfile(path):
+        with open(path, "rb") as f:
+            blob = f.read()
+    else:
+        raise DataError(f"{what} {path!r}: no such file or directory")
+    try:
+        state = snapshot.decode(blob)
+    except ProtocolError as e:
+        raise DataError(f"{what} {path!r}: not a dedloc checkpoint: {e}") from None
+    if "model" not in state:
+        raise DataError(f"{what} {path!r}: holds no model weights")
+    return state["model"]
