@@ -37,7 +37,10 @@ Prints one JSON line: ``steps``, ``lost_steps`` (steps after which live peers' p
 differed, plus trainers that raised instead of recovering), ``skipped_steps`` (lost by every
 member and skipped by all), ``longest_stall_s``, ``max_param_diff``, ``replay_max_diff`` (a
 single-process replay of the logged samples, with the same optimizer, against every step's
-parameters), ``rss_growth`` (largest relative growth of a long-lived process's RSS level after the run's
+parameters; ``replay_float64_diff``: the same replay in float64 against the peers; ``replay_rounding``:
+the float32 replay against the float64 one, how far rounding alone carries two exact computations
+apart in this run; ``replay_within_rounding``: the peers are no farther from the float64 replay than
+twice that), ``rss_growth`` (largest relative growth of a long-lived process's RSS level after the run's
 and its own warm-up; ``rss_peak_growth``: of its highest sample; every sample goes to ``rss.jsonl``),
 ``orphans`` (processes and socket files left), ``applied_backwards`` (a trainer process whose applied
 step went down: it adopted another history) and ``failures_injected`` by kind.
@@ -615,7 +618,14 @@ class Soak:
         stall_from, stall_to, stall_step = max(windows, key=lambda w: w[1] - w[0])
         crashes = [f"trainer{e['trainer']}.{e['inc']}: {e['error']}" for e in events if e["e"] == "crash"
                    and "KeyboardInterrupt" not in e["error"]]
-        replay = self.replay(events, peer_of, canonical, steps)
+        replay, replayed = self.replay(events, peer_of, canonical, steps)
+        # the same replay in float64: how far fp32 rounding alone carries two exact computations apart
+        # over this run's dynamics (the delayed soaks' replay differences grew run by run, to 2.5e-4)
+        exact, exactly = self.replay(events, peer_of, canonical, steps, torch.float64)
+        rounding = max((float((replayed[k].double() - exactly[k]).abs().max()) for k in replayed if k in exactly),
+                       default=0.0)
+        replay.update(replay_float64_diff=exact["replay_max_diff"], replay_rounding=rounding,
+                      replay_within_rounding=exact["replay_max_diff"] <= 2 * rounding + 1e-6)
         island_params = {(e["applied"], _bytes(e["params"])) for e in islands if e["e"] == "applied"}
         adopted = sorted({e["applied"] for e in events if e["e"] == "applied"
                           and (e["applied"], b := _bytes(e["params"])) in island_params and b != majority[e["applied"]]})
@@ -650,12 +660,14 @@ class Soak:
                 "failures_injected": dict(sorted(self.injected.items())), "workdir": self.dir, "started_at": start,
                 **({"partitions": partitions, "island_adopted": adopted} if self.args.partition else {})}
 
-    def replay(self, events: list[dict], peer_of: dict, canonical: dict[int, torch.Tensor], steps: int) -> dict:
-        """Replay every step in one process from the logged contributions; compare with the peers'."""
-        x, y = model_code.data()
-        model = model_code.make_model()
+    def replay(self, events: list[dict], peer_of: dict, canonical: dict[int, torch.Tensor], steps: int,
+               dtype: torch.dtype = torch.float32) -> tuple[dict, dict[int, torch.Tensor]]:
+        """Replay every step in one process from the logged contributions, in ``dtype``; compare with
+        the peers'. Returns the comparison and the replayed parameters of every step."""
+        x, y = (t.to(dtype) for t in model_code.data())
+        model = model_code.make_model().to(dtype)
         opt, sched = model_code.make_opt(model)
-        scratch = model_code.make_model()
+        scratch = model_code.make_model().to(dtype)
         params = list(model.parameters())
         versions = {0: torch.nn.utils.parameters_to_vector(params).detach().clone()}
         rounds: dict[int, dict] = {}
@@ -671,7 +683,7 @@ class Soak:
             r = rounds.get(s)
             if r is None:
                 return {"replay_steps": replayed, "replay_max_diff": worst, "replay_gap_at": s,
-                        "batch_mismatch_steps": mismatched}
+                        "batch_mismatch_steps": mismatched}, versions
             if not r["skipped"]:
                 grad = [torch.zeros_like(p) for p in params]
                 total = 0
@@ -695,10 +707,10 @@ class Soak:
                 sched.step()
             versions[s + 1] = torch.nn.utils.parameters_to_vector(params).detach().clone()
             if s + 1 in canonical:
-                worst = max(worst, float((versions[s + 1] - canonical[s + 1]).abs().max()))
+                worst = max(worst, float((versions[s + 1].double() - canonical[s + 1].double()).abs().max()))
             replayed += 1
         return {"replay_steps": replayed, "replay_max_diff": worst, "replay_gap_at": None,
-                "batch_mismatch_steps": mismatched}
+                "batch_mismatch_steps": mismatched}, versions
 
 
 def log_digest(workdir: str, start: float, from_s: float, to_s: float, limit: int = 60) -> str:

@@ -43,7 +43,7 @@ def test_two_minutes_of_churn_lose_no_step_and_match_the_replay(tmp_path):
     assert r["crashes"] == [], where
     assert r["lost_steps"] == 0 and r["disagreed_steps"] == [] and r["applied_backwards"] == [], where
     assert r["replay_gap_at"] is None and r["replay_steps"] == r["steps"], where
-    assert r["replay_max_diff"] < 1e-5, where
+    assert r["replay_max_diff"] < 1e-5 and r["replay_within_rounding"], where
     assert r["final_step_agrees"] and r["max_param_diff"] == 0.0, where
     assert r["orphans"] == {"processes": [], "sockets": []}, where
     assert r["longest_stall_s"] < 60, where
