@@ -41,9 +41,12 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def add_fields(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
-               defaults: dict[str, Any] | None = None) -> None:
+               defaults: dict[str, Any] | None = None, group: str | None = None) -> None:
     """One ``--option`` per dataclass field, typed from its default (or from ``defaults``, a role's
-    own), with the field's help."""
+    own), with the field's help and, where its metadata names them, its ``choices``; under the
+    heading ``group`` in ``--help`` if given."""
+    if group is not None:
+        parser = parser.add_argument_group(group)  # type: ignore[assignment]
     hints = typing.get_type_hints(cls)
     docs = _field_docs(cls)
     for f in dataclasses.fields(cls):
@@ -63,7 +66,7 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...]
                                 help=help_text)
         else:
             kind = next((t for t in (int, float, str) if t is hint or t in typing.get_args(hint)), str)
-            parser.add_argument(flag, type=kind, default=default, help=help_text)
+            parser.add_argument(flag, type=kind, default=default, help=help_text, choices=f.metadata.get("choices"))
 
 
 class _Repeatable(argparse.Action):
@@ -170,11 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     add_fields(demo, MLMRecipe, skip=RECIPE_SET_BY_DEMO)
     train = sub.add_parser("train", help="join a collaboration and train (the recipe's options default to "
                                          "the chosen --recipe's values)")
-    add_fields(train, TrainConfig)
-    add_fields(train, MLMRecipe, defaults=recipe_defaults)
-    add_fields(train, DataConfig)
-    add_fields(train, PeerConfig, defaults={"log_level": "WARNING"})
-    add_fields(train, AveragingConfig, skip=("aggregator_only", "compression"))
+    add_fields(train, TrainConfig, group="this peer")
+    add_fields(train, MLMRecipe, defaults=recipe_defaults,
+               group="the recipe: must match the run (but --micro-batch and --precision, each peer's own; "
+                     "--join sets them all)")
+    add_fields(train, DataConfig, group="data (this peer reads all of it, in its own order)")
+    add_fields(train, PeerConfig, defaults={"log_level": "WARNING"}, group="network, identity and membership")
+    add_fields(train, AveragingConfig, skip=("aggregator_only", "compression"),
+               group="averaging (network tuning: the defaults suit most peers)")
     train.add_argument("--join", default=None, help="the run's manifest, as a token or a file (`dedloc run manifest` "
                                                    "prints it): its run id, recipe, tokenizer, data, initial peers and "
                                                    "owner key become the defaults; run-wide recipe values may not differ")

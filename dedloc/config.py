@@ -59,7 +59,7 @@ class PeerConfig:
     itself: two peers may share a name, so the id stays beside it."""
     client_mode: bool = False
     """Accept no inbound connections: the peer dials out only and never aggregates."""
-    reachability: str = "auto"
+    reachability: str = field(default="auto", metadata={"choices": REACHABILITY})
     """'auto': find out with a dial-back probe by the initial peers whether others can connect to
     this peer; 'public' or 'private': declare it. A private peer never leads and aggregates only
     over direct paths to every member; it keeps a slot on the run's relays and punches holes to
@@ -141,13 +141,13 @@ class AveragingConfig:
     """Deadline for a whole round after matchmaking; on expiry every member gets an error."""
     max_group_size: int = 64
     """Largest all-reduce group; larger collaborations reduce hierarchically."""
-    strategy: str = "partitioned"
+    strategy: str = field(default="partitioned", metadata={"choices": STRATEGIES})
     """'partitioned' (reduce-scatter + all-gather, fault tolerant) or 'ring'."""
-    compression: str = "none"
+    compression: str = field(default="none", metadata={"choices": COMPRESSIONS})
     """'none' or 'float16' on the wire."""
     chunk_bytes: int = 4 << 20
     """Bytes per socket write/read when streaming a part."""
-    transport: str = "auto"
+    transport: str = field(default="auto", metadata={"choices": TRANSPORTS})
     """How round streams travel: 'auto' (direct TCP connections between members that can reach
     each other, libp2p streams for the other pairs and whenever a direct connection fails) or
     'libp2p' (every stream through the p2p daemon). Set by a round's leader for its group."""
@@ -168,7 +168,7 @@ class AveragingConfig:
     aggregator_only: bool = False
     """This peer trains nothing: it aggregates parts for the others and needs no result
     (a CPU helper with good bandwidth). It averages with weight 0."""
-    planner: str = "lp"
+    planner: str = field(default="lp", metadata={"choices": PLANNERS})
     """How a round's leader sets the shares: 'lp' (the linear program over measured capabilities),
     'equal' (butterfly), 'bandwidth' (proportional to each peer's bandwidth) or 'declared'
     (each peer's own share hint)."""

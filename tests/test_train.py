@@ -254,3 +254,19 @@ def test_one_token_carries_the_run_and_a_run_wide_value_changed_on_the_command_l
                       (bomb, "not a whole manifest token"), ("nope.json", "neither a manifest token")):
         assert main(["train", "--join", bad]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_train_help_is_grouped_by_who_chooses_and_a_value_outside_the_choices_is_refused(capsys):
+    """`--help` was one wall of 68 options, valid values in prose (issue 41)."""
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for heading in ("this peer:", "the recipe: must match the run", "network, identity and membership:",
+                    "averaging (network tuning"):
+        assert heading in text, heading
+    body = text[text.index("\nthis peer:"):]  # (after the usage line, which names every option)
+    assert body.index("  --micro-batch") > body.index("the recipe: must match the run") > body.index("  --max-steps")
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--precision", "fp8"])
+    assert exited.value.code == 2
+    assert "argument --precision: invalid choice: 'fp8' (choose from" in capsys.readouterr().err

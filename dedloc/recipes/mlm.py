@@ -12,7 +12,7 @@ field is a ``dedloc train`` option, with the recipe's value as its default.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ class MLMRecipe:
     """Tokens per example."""
     mlm_probability: float = 0.15
     """Share of tokens masked."""
-    optimizer: str = "adamw"
+    optimizer: str = field(default="adamw", metadata={"choices": OPTIMIZERS})
     """'lamb' (pytorch_optimizer's Lamb) or 'adamw'."""
     lr: float = 3e-3
     """Peak learning rate."""
@@ -61,9 +61,9 @@ class MLMRecipe:
     """Samples per global step, summed over the whole collaboration."""
     micro_batch: int = 16
     """Samples per forward/backward on this peer (a per-peer choice: fit it to the device)."""
-    precision: str = "auto"
+    precision: str = field(default="auto", metadata={"choices": PRECISIONS})
     """'auto' (fp16 with loss scaling on CUDA, fp32 elsewhere), 'fp32', 'fp16' (CUDA only) or 'bf16'."""
-    wire: str = "none"
+    wire: str = field(default="none", metadata={"choices": COMPRESSIONS})
     """Gradients on the wire: 'none' (fp32) or 'float16'."""
     delay_updates: bool = False
     """Delayed parameter updates: average in the background while the next step computes."""

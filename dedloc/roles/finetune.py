@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ WIKIANN_LABELS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC")
 class FinetuneConfig:
     """A downstream fine-tuning run on one machine."""
 
-    task: str = "ner"
+    task: str = field(default="ner", metadata={"choices": TASKS})
     """'ner' (token classification, seqeval F1) or 'classification' (sequence classification, accuracy)."""
     checkpoint: str = ""
     """A backbone checkpoint (state-*.pt) or a checkpoint directory (its newest)."""
