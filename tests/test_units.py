@@ -1069,4 +1069,11 @@ def test_the_progress_table_shows_peers_by_their_last_8_characters_and_marks_thi
     assert "aaaaaaaa (you)" in text and "bbbbbbbb" in text and "bbbbbbbb (you)" not in text and "12D3KooW" not in text
     assert "[red]Ana[/red] (bbbbbbbb)" in text  # a chosen name (--name), shown as written: never markup
     display.add(StepEvent(0, 24.0, 8, 40.0, 100.0))  # the line a log file gets per global step
-    assert display.line().startswith("global step 1: loss 3.000, 100 samples/s, batch 40, 2 peers, checkpoint -, ")
+    assert display.line().startswith("global step 1: loss 3.000, 100 samples/s, batch 40, 2 peers, mine 8 (20%), "
+                                     "checkpoint -, ")
+    # a trainer's running total and share, and an ETA to --max-steps once the pace is known
+    paced = ProgressDisplay("t", total_steps=10, me=me)
+    paced.started -= 30.0  # (the display's clock: 30 s ago; three steps since)
+    for step in range(3):
+        paced.add(StepEvent(step, 8.0, 8, 32.0, 10.0))
+    assert ", mine 24 (25%), " in paced.line() and paced.line().endswith(", eta 70 s")
