@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dedloc: error: unknown recipe {recipe_name!r} (known: {', '.join(RECIPES)})", file=sys.stderr)
         return 2
     try:
-        manifest = _joined(argv) if argv[:1] in (["train"], ["doctor"], ["export"]) else None
+        manifest = _joined(argv) if argv[:1] in (["train"], ["doctor"], ["export"], ["ledger"]) else None
     except DedlocError as e:
         print(f"dedloc: error: {e}", file=sys.stderr)
         return 2
@@ -233,8 +233,20 @@ def main(argv: list[str] | None = None) -> int:
     add_fields(monitor, MonitorConfig)
     ledger = sub.add_parser("ledger", help="print a backbone's contribution ledger (CHECKPOINT_DIR/ledger.json) "
                                            "as CSV or JSON")
-    ledger.add_argument("path", help="the ledger file, or the backbone's checkpoint directory")
+    ledger.add_argument("path", nargs="?", default=None,
+                        help="the ledger file, or the backbone's checkpoint directory (none: read the run's, "
+                             "as the dashboard shows it, through --initial-peers or --join)")
     ledger.add_argument("--format", choices=("csv", "json"), default="csv")
+    ledger.add_argument("--join", default=None, help="the run's manifest (token or file): its run id and initial peers")
+    ledger.add_argument("--peer", default=None, help="print only this peer's row (a peer id, or 'me': the identity "
+                                                      "in --state-dir), with its rank")
+    ledger.add_argument("--state-dir", default=None, help="as dedloc train's (for --peer me)")
+    add_fields(ledger, PeerConfig, skip=("client_mode", "name", "metrics_port", "metrics_host", "progress_ttl",
+                                         "host_maddrs", "announce_maddrs", "relay_service"),
+               defaults={"log_level": "WARNING"}, group="reading the run's ledger (without a path)")
+    if manifest is not None:
+        ledger.set_defaults(run_id=manifest.run_id, **{k: list(v) if isinstance(v, tuple) else v for k, v in dict(
+            initial_peers=manifest.initial_peers, owner=manifest.owner).items() if v})
     run = sub.add_parser("run", help="owner: create an invite-only run (`dedloc run init`)")
     run_sub = run.add_subparsers(dest="run_command", required=True)
     init = run_sub.add_parser("init", help="make the owner key and run.json in --dir, print the flags peers join with")
@@ -339,17 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "backbone":
             return _backbone(from_args(PeerConfig, args, skip=("client_mode",)), from_args(BackboneConfig, args))
         if args.command == "ledger":
-            from dedloc.monitor.ledger import Ledger
-
-            path = os.path.join(args.path, "ledger.json") if os.path.isdir(args.path) else args.path
-            if not os.path.exists(path):
-                raise DedlocError(f"no ledger at {path}")
-            try:
-                book = Ledger.load(path)
-            except ValueError as e:
-                raise DedlocError(str(e)) from None
-            print(book.to_csv() if args.format == "csv" else json.dumps(book.table(), indent=1) + "\n", end="")
-            return 0
+            return _ledger(args)
         if args.command == "monitor":
             return _monitor(from_args(PeerConfig, args, skip=("client_mode",)), from_args(MonitorConfig, args))
         if args.command == "aggregator":
@@ -388,6 +390,56 @@ def _manifest(args) -> str:
     return ((f"manifest written to {args.out}\n" if args.out else "")
             + f"volunteers join with:\n  dedloc train --join {token}" + (" --invite <its invitation>" if args.owner else "")
             + (f"\n  (or --join {args.out})" if args.out else ""))
+
+
+def _ledger(args) -> int:
+    """``dedloc ledger``: a backbone's ledger file, or the run's ledger read over the network."""
+    from dedloc.config import PeerConfig
+    from dedloc.monitor.ledger import Ledger, rows_csv
+
+    if args.path is not None:
+        path = os.path.join(args.path, "ledger.json") if os.path.isdir(args.path) else args.path
+        if not os.path.exists(path):
+            raise DedlocError(f"no ledger at {path}")
+        try:
+            rows, source = Ledger.load(path).table(), path
+        except ValueError as e:
+            raise DedlocError(str(e)) from None
+    else:
+        from dedloc.logs import configure
+        from dedloc.roles.monitor import read_ledger
+
+        peer_config = from_args(PeerConfig, args, skip=("client_mode", "name", "metrics_port", "metrics_host",
+                                                        "progress_ttl", "host_maddrs", "announce_maddrs",
+                                                        "relay_service"))
+        if not peer_config.initial_peers:
+            raise DedlocError("dedloc ledger needs a path, or --initial-peers (or --join) to read the run's")
+        configure(peer_config.log_level)
+        state_dir = args.state_dir or os.path.join("dedloc-state", peer_config.run_id)
+        key = os.path.join(state_dir, "identity.key")
+        if peer_config.identity_path is None and os.path.exists(key):  # an invite-only run answers this identity
+            peer_config = dataclasses.replace(peer_config, identity_path=key)
+        source, rows = read_ledger(peer_config)
+    if args.peer is not None:
+        me = args.peer
+        if me == "me":
+            from dedloc.auth.identity import load_identity, peer_id_of
+
+            key = args.identity_path or os.path.join(args.state_dir or os.path.join("dedloc-state", args.run_id),
+                                                     "identity.key")
+            if not os.path.exists(key):
+                raise DedlocError(f"--peer me: no identity at {key} (give --state-dir or --identity-path)")
+            try:
+                me = peer_id_of(load_identity(key).public_key())
+            except ValueError as e:
+                raise DedlocError(str(e)) from None
+        ranked = [dict(r, rank=i + 1) for i, r in enumerate(rows) if r.get("peer") == me]
+        if not ranked:
+            print(f"{me}: no contribution counted yet (by {source})", file=sys.stderr)
+            return 1
+        rows = ranked
+    print(rows_csv(rows) if args.format == "csv" else json.dumps(rows, indent=1) + "\n", end="")
+    return 0
 
 
 def _doctor(args, peer_config, manifest) -> int:

@@ -207,6 +207,14 @@ def test_the_backbone_ledger_counts_what_aggregators_accepted_and_survives_a_res
     assert {r["peer"]: r["name"] for r in exported} == {p.peer_id: p.config.name for p in collab.peers}
     assert main(["ledger", str(collab.ckpt), "--format", "csv"]) == 0
     assert f'{collab.peers[0].peer_id},"{NAME}",' in capsys.readouterr().out
+    # a volunteer asks the run for its own row, from its machine (as the dashboard counts it)
+    me = collab.peers[0].peer_id
+    assert main(["ledger", "--run-id", collab.rid, "--initial-peers", *collab.bb.maddrs, "--peer", me,
+                 "--format", "json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    assert (row["peer"], row["name"], row["samples"], row["rounds"], row["rank"]) == (me, NAME, 20, 2.0, 3)
+    assert main(["ledger", "--run-id", collab.rid, "--initial-peers", *collab.bb.maddrs, "--peer", "nobody"]) == 1
+    assert "nobody: no contribution counted yet (by backbone" in capsys.readouterr().err
 
 
 def test_the_dashboard_serves_peers_loss_plan_ledger_and_metrics(collab):
