@@ -105,7 +105,8 @@ def test_a_volunteer_joins_with_the_manifest_line_another_recipe_is_refused_a_re
         assert "no --initial-peers" not in logs[0]
         # one start-up line says who this peer is and how it runs
         assert re.search(r"joined run '\w+' at global step \d+: tiny-mlm on cpu \(fp32\), micro-batch 4, "
-                         r"(reachable|not reachable) \(.+\), 1 initial peer\(s\)", logs[0]), logs[0][:3000]
+                         r"(reachable|not reachable) \(.+\), 1 initial peer\(s\), run-wide settings [0-9a-f]{16} "
+                         r"\(checked against the run's\), dedloc \d", logs[0]), logs[0][:3000]
         a, b = (json.loads((tmp_path / f"out{i}-4" / "summary.json").read_text()) for i in range(2))
         assert a["global_step"] == b["global_step"] == 4
         assert a["parameters_sha256"] == b["parameters_sha256"], "the two trainers' parameters differ"

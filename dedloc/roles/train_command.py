@@ -16,6 +16,7 @@ from dedloc.config import AveragingConfig, PeerConfig
 from dedloc.data.mlm import DataConfig
 from dedloc.recipes.mlm import MLMRecipe
 from dedloc.records import Role, label
+from dedloc.roles.doctor import installed
 from dedloc.roles.trainer import TrainConfig, Trainer
 
 
@@ -47,8 +48,9 @@ def train(config: TrainConfig, recipe: MLMRecipe, data: DataConfig, peer_config:
     named = f" ({peer_config.name})" if peer_config.name else ""
     console.print(f"peer {trainer.peer_id}{named} joined run {peer.config.run_id!r} at global step {trainer.opt.global_step}: "
                   f"{config.recipe} on {trainer.device} ({trainer.precision}), micro-batch {recipe.micro_batch}, "
-                  f"{how}, {len(peer.config.initial_peers)} initial peer(s); identity and data position in "
-                  f"{trainer.state_dir}", soft_wrap=True)
+                  f"{how}, {len(peer.config.initial_peers)} initial peer(s), run-wide settings "
+                  f"{trainer.opt.config.run_hash} (checked against the run's), dedloc {installed('dedloc')}; "
+                  f"identity and data position in {trainer.state_dir}", soft_wrap=True, markup=False)
     last_view = [0.0]
 
     def on_step(event) -> None:
