@@ -206,7 +206,7 @@ def test_the_backbone_ledger_counts_what_aggregators_accepted_and_survives_a_res
     # a volunteer finds itself by the name it chose (--name), kept with the ledger across restarts
     assert {r["peer"]: r["name"] for r in exported} == {p.peer_id: p.config.name for p in collab.peers}
     assert main(["ledger", str(collab.ckpt), "--format", "csv"]) == 0
-    assert f'{collab.peers[0].peer_id},"{NAME}",' in capsys.readouterr().out
+    assert f"{collab.peers[0].peer_id},{NAME},20,2.0," in capsys.readouterr().out
     # a volunteer asks the run for its own row, from its machine (as the dashboard counts it)
     me = collab.peers[0].peer_id
     assert main(["ledger", "--run-id", collab.rid, "--initial-peers", *collab.bb.maddrs, "--peer", me,

@@ -257,12 +257,14 @@ class Backbone:
         save it next to the checkpoints if it changed, and publish its table (and the checkpoints
         held) for monitors. True if the ledger changed."""
         try:
-            raw = self.peer.read_records(["credits"])["credits"]
+            raw = self.peer.read_records(["credits", "progress"])
         except DedlocError as e:
             logger.debug(f"could not read the credits: {e}")
             return False
-        changed = self.ledger.observe(r for p, v in raw.items() if (r := CreditRecord.from_wire(p, v)) is not None)
-        changed = self.ledger.named(self.view.peers if self.view is not None else ()) or changed
+        changed = self.ledger.observe(r for p, v in raw.get("credits", {}).items()
+                                      if (r := CreditRecord.from_wire(p, v)) is not None)
+        changed = self.ledger.named(r for p, v in raw.get("progress", {}).items()  # the peers' display names
+                                    if (r := ProgressRecord.from_wire(p, v)) is not None) or changed
         if changed:
             self.ledger.save(self.ledger_path)
         try:
