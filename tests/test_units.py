@@ -244,6 +244,17 @@ def test_config_errors_name_the_field():
         AveragingConfig(aggregator_only=True, share=0).validate()
 
 
+def test_a_trainer_left_on_a_shared_default_run_id_or_an_open_run_is_warned():
+    from dedloc.roles.trainer import on_defaults
+
+    peer = "/ip4/1.2.3.4/tcp/1/p2p/12D3KooWJX6ZnqhDUdWPKNYsNhKGWD8JYFE9hWNoqZFWGRuhp3UH"
+    said = on_defaults(PeerConfig(initial_peers=(peer,)))
+    assert len(said) == 2 and "--run-id is the default 'dedloc'" in said[0] and "an open run" in said[1]
+    assert on_defaults(PeerConfig(run_id="bn", initial_peers=(peer,), owner="k")) == []
+    assert on_defaults(PeerConfig(run_id="bn")) == []  # starting a run alone: the no-initial-peers line says it
+    assert on_defaults(PeerConfig(initial_peers=(peer.replace("1.2.3.4", "127.0.0.1"),))) == []  # this machine only
+
+
 def test_rate_estimate_takes_a_high_quantile_of_recent_lower_bounds():
     est = RateEstimate(window=4)
     assert est.value(now=0) == 0.0

@@ -74,6 +74,21 @@ class TrainConfig:
         return self
 
 
+def on_defaults(peer_config: PeerConfig) -> list[str]:
+    """Warnings for a training peer left on defaults that a run should not share by accident (none in
+    a run on this machine alone: its initial peers all on loopback, as the demo's)."""
+    out: list[str] = []
+    if peer_config.initial_peers and all(a.startswith(("/ip4/127.", "/ip6/::1/")) for a in peer_config.initial_peers):
+        return out
+    if peer_config.run_id == PeerConfig.run_id:
+        out.append(f"--run-id is the default {PeerConfig.run_id!r}: any run started without one has the same id, "
+                   f"and their peers would meet; give the run its own (the organiser's --join line sets it)")
+    if not peer_config.owner and peer_config.initial_peers:
+        out.append("an open run (no --owner): any peer that knows its id and an address may take part and "
+                   "send gradients (docs/security.md; `dedloc run init` makes it invite-only)")
+    return out
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -134,6 +149,8 @@ class Trainer:
         if not peer_config.initial_peers:
             logger.warning(f"no --initial-peers: this peer starts run {peer_config.run_id!r} alone; others join "
                            f"with --initial-peers {' '.join(self.peer.maddrs) or '(none: this peer accepts no connections)'}")
+        for warning in on_defaults(peer_config):
+            logger.warning(warning)
         self.batches: Any = None
         self.opt: Any = None
         try:
