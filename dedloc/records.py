@@ -140,6 +140,7 @@ class ProgressRecord:
         numbers = (rec.samples_per_second, rec.bandwidth, rec.time, rec.busy_until, rec.loss)
         if rec.step < 0 or rec.samples < 0 or rec.loss_samples < 0 or rec.loss_step < -1 or rec.resyncs < 0 \
                 or rec.catchups < 0 or not isinstance(rec.run_hash, str) or len(rec.run_hash) > MAX_RUN_HASH \
+                or not rec.run_hash.isprintable() \
                 or not name_ok(rec.name) \
                 or not all(math.isfinite(x) and x >= 0 for x in numbers):
             logger.debug(f"ignoring out-of-range progress record from {peer_id}")

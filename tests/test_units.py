@@ -746,7 +746,7 @@ def test_a_volunteer_whose_recipe_is_not_the_runs_is_told_before_it_downloads():
     assert view("aa", roles={0: Role.CLIENT}).settings_mismatch("new", "bb") == ("aa", ("p0",))
     wire = ProgressRecord("x", 1, 0, 1.0, Role.TRAINER, run_hash="aa").to_wire()
     assert ProgressRecord.from_wire("x", wire).run_hash == "aa"
-    for bad in ({"run_hash": "a" * 65}, {"run_hash": ["aa"]}, {"run_hash": None}):
+    for bad in ({"run_hash": "a" * 65}, {"run_hash": ["aa"]}, {"run_hash": None}, {"run_hash": "\x1b[2J"}):
         assert ProgressRecord.from_wire("x", {**wire, **bad}) is None
     with pytest.raises(ConfigError, match="run_hash"):
         from dedloc.config import OptimizerConfig
