@@ -779,6 +779,35 @@ def test_a_joining_optimizer_with_other_settings_is_refused_before_it_downloads_
         run.close()
 
 
+def test_a_peer_whose_first_view_missed_the_run_is_still_refused_before_its_first_download():
+    """In CI the refused volunteer's first view could come before the DHT held the run's records: it
+    passed the check alone and would have downloaded the run's state at its first resync. Until a
+    peer has met the run (a download, a round with another), every download is checked first."""
+    import time as clock
+
+    from dedloc.config import OptimizerConfig
+    from dedloc.errors import SettingsMismatch
+    from dedloc.optim import CollaborativeOptimizer
+    from dedloc.testing.fake_peer import FakeRun
+
+    run = FakeRun()
+    try:
+        model = torch.nn.Linear(2, 1)
+        late = CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), run.peer(),
+                                      OptimizerConfig(target_batch_size=64, run_hash="bb"))
+        assert late.global_step == 0  # alone: nothing to check against
+        for peer in ("t1", "t2"):  # the run's records arrive: two trainers at step 5 with other settings
+            run.records[peer] = ProgressRecord(peer, 5, 0, 1.0, Role.TRAINER, time=clock.time(),
+                                               fingerprint="5:aa", run_hash="aa")
+        with pytest.raises(SettingsMismatch, match="published by t1, t2"):
+            for _ in range(20):
+                model(torch.ones(4, 2)).sum().backward()
+                late.step(4)
+        assert late.resyncs == 0 and late.applied_step == 0  # nothing downloaded
+    finally:
+        run.close()
+
+
 def _rec(peer: str, step: int, role: Role = Role.TRAINER, applied: int | None = None, t: float = 1000.0,
          syncing: bool = False) -> ProgressRecord:
     return ProgressRecord(peer, step, 8, 4.0, role, 0.0, t, fingerprint="" if applied is None else f"{applied}:h{applied}",

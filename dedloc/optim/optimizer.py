@@ -148,14 +148,18 @@ class CollaborativeOptimizer:
         self._closed = False
         self._returned_at: tuple[float, float] | None = None
         """When ``step`` last returned (monotonic, wall clock): the training loop's time away since."""
+        self._settled = False
+        """Whether this peer has met the run (a state downloaded, or a round with another peer): until
+        then every download is preceded by the settings check (a first view can come before the DHT
+        holds the run's records)."""
         view = self._report(busy=False)
-        self._check_settings(view)
+        self._check_settings(view)  # (again before its download: _resync)
         if view.global_step > self.global_step or self.sync.disagreement(view):
             self._resync(view, "joining a collaboration at step %d" % view.global_step)
 
     def _check_settings(self, view: CollaborationView) -> None:
-        """Joining: refuse to train with settings other than the run's, before downloading anything
-        (``OptimizerConfig.run_hash``). A volunteer who forgot ``--recipe albert-mlm`` downloaded the
+        """Joining (and before every download until this peer has met the run): refuse to train with
+        settings other than the run's, before downloading anything (``OptimizerConfig.run_hash``). A volunteer who forgot ``--recipe albert-mlm`` downloaded the
         whole state before "the state does not fit this model"; one who changed a run-wide value that
         keeps the shapes (``--lr``) would have trained on, outvoted and resynced at every step."""
         mine = self.config.run_hash
@@ -493,6 +497,7 @@ class CollaborativeOptimizer:
         record = RoundRecord(step, local_samples, stats.total_weight, stats.group_size, time.monotonic() - started,
                              overflow, contributors, stats.peers)
         self.history.append(record)
+        self._settled = self._settled or record.group_size > 1
         logger.info(f"step {step} averaged with {record.group_size} peers, batch {record.batch:.0f} samples, "
                     f"in {record.averaging_s:.2f} s" + (" (no member's gradient was finite: step skipped by all)"
                                                         if overflow else ""))
@@ -535,11 +540,14 @@ class CollaborativeOptimizer:
         sides resynced toward each other and neither served the state it held (a deadlock)."""
         if self._inflight is None and self._catchup is None and self.sync.offered != self.local.identity():
             self.offer_state()
+        if not self._settled:
+            self._check_settings(view)
         self._drop_inflight()
         self._catchup = None
         self.acc.reset()
         self.local.zero_grads()
         if self.sync.resync(reason):
+            self._settled = True
             self.global_step = self.local.applied_step
             self.resyncs += 1
             self._report(busy=False)
