@@ -142,12 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     from dedloc.data.mlm import DataConfig
     from dedloc.data.tokenizer import TokenizerConfig
     from dedloc.demo.collab import DemoConfig
-    from dedloc.recipes.mlm import RECIPES, MLMRecipe
+    from dedloc.recipes.mlm import PRECISIONS, RECIPES, MLMRecipe
     from dedloc.roles.finetune import FinetuneConfig
     from dedloc.roles.doctor import versions
     from dedloc.roles.export import ExportConfig
     from dedloc.roles.manifest import PER_PEER
-    from dedloc.roles.trainer import TrainConfig
+    from dedloc.roles.trainer import TrainConfig, state_dir_of
 
     recipe_name = _recipe_named(argv)
     if recipe_name not in RECIPES:  # before --help, whose defaults come from the recipe
@@ -194,14 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--join", default=None, help="the run's manifest, as a token or a file")
     doctor.add_argument("--state-dir", default=None, help="as dedloc train's (default: dedloc-state/RUN_ID)")
     doctor.add_argument("--device", default="auto", help="as dedloc train's: auto, cpu, cuda or cuda:N")
-    doctor.add_argument("--precision", default="auto", choices=("auto", "fp32", "fp16", "bf16"))
+    doctor.add_argument("--precision", default="auto", choices=PRECISIONS)
     doctor.add_argument("--no-network", action="store_true", help="skip the reachability check (the p2p layer "
                                                                   "starts for a few seconds and the initial peers dial back)")
-    add_fields(doctor, PeerConfig, skip=("name", "metrics_port", "metrics_host", "progress_ttl"),
-               defaults={"log_level": "WARNING"})
-    if manifest is not None:
-        doctor.set_defaults(run_id=manifest.run_id, **{k: list(v) if isinstance(v, tuple) else v for k, v in dict(
-            initial_peers=manifest.initial_peers, owner=manifest.owner).items() if v})
+    add_fields(doctor, PeerConfig, skip=DOCTOR_SKIPS, defaults={"log_level": "WARNING"})
+    _run_defaults(doctor, manifest)
     tokenizer = sub.add_parser("tokenizer", help="train the run's tokenizer from its data sources "
                                                  "(Unigram, NFKC; sahajBERT's kind)")
     tokenizer.add_argument("--recipe", default="tiny-mlm", help="take --vocab-size from this recipe")
@@ -241,12 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ledger.add_argument("--peer", default=None, help="print only this peer's row (a peer id, or 'me': the identity "
                                                       "in --state-dir), with its rank")
     ledger.add_argument("--state-dir", default=None, help="as dedloc train's (for --peer me)")
-    add_fields(ledger, PeerConfig, skip=("client_mode", "name", "metrics_port", "metrics_host", "progress_ttl",
-                                         "host_maddrs", "announce_maddrs", "relay_service"),
-               defaults={"log_level": "WARNING"}, group="reading the run's ledger (without a path)")
-    if manifest is not None:
-        ledger.set_defaults(run_id=manifest.run_id, **{k: list(v) if isinstance(v, tuple) else v for k, v in dict(
-            initial_peers=manifest.initial_peers, owner=manifest.owner).items() if v})
+    add_fields(ledger, PeerConfig, skip=READER_SKIPS, defaults={"log_level": "WARNING"},
+               group="reading the run's ledger (without a path)")
+    _run_defaults(ledger, manifest)
     run = sub.add_parser("run", help="owner: create an invite-only run (`dedloc run init`)")
     run_sub = run.add_subparsers(dest="run_command", required=True)
     init = run_sub.add_parser("init", help="make the owner key and run.json in --dir, print the flags peers join with")
@@ -309,8 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"tokenizer; load it with transformers' AutoModelForMaskedLM.from_pretrained", flush=True)
             return 0
         if args.command == "doctor":
-            return _doctor(args, from_args(PeerConfig, args, skip=("name", "metrics_port", "metrics_host",
-                                                                    "progress_ttl")), manifest)
+            return _doctor(args, from_args(PeerConfig, args, skip=DOCTOR_SKIPS), manifest)
         if args.command == "train":
             from dedloc.roles.train_command import train
 
@@ -346,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             elif args.command == "revoke":
                 print(membership.revoke(args.run, args.peer_id))
             else:
-                print(membership.identity(args.identity_path or os.path.join("dedloc-state", args.run_id, "identity.key")))
+                print(membership.identity(args.identity_path or os.path.join(state_dir_of(None, args.run_id),
+                                                                             "identity.key")))
             return 0
         if args.command == "backbone":
             return _backbone(from_args(PeerConfig, args, skip=("client_mode",)), from_args(BackboneConfig, args))
@@ -364,6 +358,19 @@ def main(argv: list[str] | None = None) -> int:
         print("dedloc: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+DOCTOR_SKIPS = ("name", "metrics_port", "metrics_host", "progress_ttl")
+"""PeerConfig fields `dedloc doctor` does not take (it publishes nothing and serves no metrics)."""
+READER_SKIPS = DOCTOR_SKIPS + ("client_mode", "host_maddrs", "announce_maddrs", "relay_service")
+"""... nor does `dedloc ledger` reading the run (a client-mode peer that only reads)."""
+
+
+def _run_defaults(parser: argparse.ArgumentParser, manifest) -> None:
+    """The run's id, initial peers and owner key from ``manifest`` (``--join``) as ``parser``'s defaults."""
+    if manifest is not None:
+        parser.set_defaults(run_id=manifest.run_id, **{k: list(v) if isinstance(v, tuple) else v for k, v in dict(
+            initial_peers=manifest.initial_peers, owner=manifest.owner).items() if v})
 
 
 MODEL_SHAPE = ("hidden_size", "layers", "heads", "embedding_size", "intermediate_size", "seq_len")
@@ -392,10 +399,23 @@ def _manifest(args) -> str:
             + (f"\n  (or --join {args.out})" if args.out else ""))
 
 
+def _with_state_identity(peer_config, state_dir: str | None):
+    """``peer_config`` with the identity in the peer's state directory, when it names none and one is
+    there: a command that only looks at a run (doctor, ledger) is answered in an invite-only run only
+    under the identity its invitation names."""
+    from dedloc.roles.trainer import state_dir_of
+
+    key = os.path.join(state_dir_of(state_dir, peer_config.run_id), "identity.key")
+    if peer_config.identity_path is None and os.path.exists(key):
+        return dataclasses.replace(peer_config, identity_path=key)
+    return peer_config
+
+
 def _ledger(args) -> int:
     """``dedloc ledger``: a backbone's ledger file, or the run's ledger read over the network."""
     from dedloc.config import PeerConfig
     from dedloc.monitor.ledger import Ledger, rows_csv
+    from dedloc.roles.trainer import state_dir_of
 
     if args.path is not None:
         path = os.path.join(args.path, "ledger.json") if os.path.isdir(args.path) else args.path
@@ -409,24 +429,17 @@ def _ledger(args) -> int:
         from dedloc.logs import configure
         from dedloc.roles.monitor import read_ledger
 
-        peer_config = from_args(PeerConfig, args, skip=("client_mode", "name", "metrics_port", "metrics_host",
-                                                        "progress_ttl", "host_maddrs", "announce_maddrs",
-                                                        "relay_service"))
+        peer_config = from_args(PeerConfig, args, skip=READER_SKIPS)
         if not peer_config.initial_peers:
             raise DedlocError("dedloc ledger needs a path, or --initial-peers (or --join) to read the run's")
         configure(peer_config.log_level)
-        state_dir = args.state_dir or os.path.join("dedloc-state", peer_config.run_id)
-        key = os.path.join(state_dir, "identity.key")
-        if peer_config.identity_path is None and os.path.exists(key):  # an invite-only run answers this identity
-            peer_config = dataclasses.replace(peer_config, identity_path=key)
-        source, rows = read_ledger(peer_config)
+        source, rows = read_ledger(_with_state_identity(peer_config, args.state_dir))
     if args.peer is not None:
         me = args.peer
         if me == "me":
             from dedloc.auth.identity import load_identity, peer_id_of
 
-            key = args.identity_path or os.path.join(args.state_dir or os.path.join("dedloc-state", args.run_id),
-                                                     "identity.key")
+            key = args.identity_path or os.path.join(state_dir_of(args.state_dir, args.run_id), "identity.key")
             if not os.path.exists(key):
                 raise DedlocError(f"--peer me: no identity at {key} (give --state-dir or --identity-path)")
             try:
@@ -446,12 +459,11 @@ def _doctor(args, peer_config, manifest) -> int:
     """``dedloc doctor`` (roles/doctor.py): one line per check as it ends; 1 if any failed."""
     from dedloc.logs import configure
     from dedloc.roles.doctor import diagnose
+    from dedloc.roles.trainer import state_dir_of
 
     configure(peer_config.log_level)
-    state_dir = args.state_dir or os.path.join("dedloc-state", peer_config.run_id)
-    key = os.path.join(state_dir, "identity.key")
-    if peer_config.identity_path is None and os.path.exists(key):  # an invite-only run answers this identity
-        peer_config = dataclasses.replace(peer_config, identity_path=key)
+    state_dir = state_dir_of(args.state_dir, peer_config.run_id)
+    peer_config = _with_state_identity(peer_config, args.state_dir)
     print(f"dedloc doctor: run {peer_config.run_id!r}", flush=True)
     failed = 0
     for check in diagnose(peer_config, state_dir, args.device, args.precision, manifest, network=not args.no_network):

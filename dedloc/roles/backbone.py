@@ -252,19 +252,21 @@ class Backbone:
                 f"{', '.join(str(parse_fingerprint(a)[0]) for a in anchors)} within {lineage.KEEP} steps), and "
                 f"{len(holders)} trainer(s) hold it (a far step of one member's own); waiting for the run to attest it")
 
-    def account(self) -> bool:
-        """Take the aggregators' newest credits into the contribution ledger (monitor/ledger.py),
-        save it next to the checkpoints if it changed, and publish its table (and the checkpoints
-        held) for monitors. True if the ledger changed."""
+    def account(self, view: CollaborationView | None = None) -> bool:
+        """Take the aggregators' newest credits into the contribution ledger (monitor/ledger.py), and
+        the peers' display names from ``view`` (the run loop's, just read; without one the progress
+        records are read here), save it next to the checkpoints if it changed, and publish its table
+        (and the checkpoints held) for monitors. True if the ledger changed."""
         try:
-            raw = self.peer.read_records(["credits", "progress"])
+            raw = self.peer.read_records(["credits"] if view is not None else ["credits", "progress"])
         except DedlocError as e:
             logger.debug(f"could not read the credits: {e}")
             return False
         changed = self.ledger.observe(r for p, v in raw.get("credits", {}).items()
                                       if (r := CreditRecord.from_wire(p, v)) is not None)
-        changed = self.ledger.named(r for p, v in raw.get("progress", {}).items()  # the peers' display names
-                                    if (r := ProgressRecord.from_wire(p, v)) is not None) or changed
+        records = view.peers if view is not None else [r for p, v in raw.get("progress", {}).items()
+                                                       if (r := ProgressRecord.from_wire(p, v)) is not None]
+        changed = self.ledger.named(records) or changed
         if changed:
             self.ledger.save(self.ledger_path)
         try:
@@ -290,7 +292,7 @@ class Backbone:
                 self.view = self._report()
                 if self.step >= 0 and self.view.global_step - self.step >= lineage.KEEP // 2:
                     next_pull = time.monotonic()  # pulled before the run outruns a lineage (``_unattested``)
-            self.account()
+            self.account(self.view)
             stop.wait(LOOK_EVERY if self.refinding_since is not None else
                       min(refresh, max(0.05, next_pull - time.monotonic())))
 

@@ -74,6 +74,12 @@ class TrainConfig:
         return self
 
 
+def state_dir_of(state_dir: str | None, run_id: str) -> str:
+    """A peer's state directory: ``state_dir``, or ``dedloc-state/RUN_ID`` (train's default, which
+    ``doctor``, ``ledger --peer me`` and ``identity`` look in too)."""
+    return state_dir or os.path.join("dedloc-state", run_id)
+
+
 def on_defaults(peer_config: PeerConfig) -> list[str]:
     """Warnings for a training peer left on defaults that a run should not share by accident (none in
     a run on this machine alone: its initial peers all on loopback, as the demo's)."""
@@ -116,7 +122,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, recipe: MLMRecipe, data: DataConfig, peer_config: PeerConfig,
                  averaging: AveragingConfig | None = None):
         self.config, self.recipe, self.data = config.validate(), recipe.validate(), data.validate()
-        self.state_dir = config.state_dir or os.path.join("dedloc-state", peer_config.run_id)
+        self.state_dir = state_dir_of(config.state_dir, peer_config.run_id)
         make_dir(self.state_dir, "--state-dir")
         self._held = hold_dir(self.state_dir, "--state-dir")  # its identity, data position and state are this peer's
         try:
